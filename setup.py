@@ -7,9 +7,9 @@ setup(
     version="0.1.0",
     description="DuoAttention-style long-context serving as a vLLM attention backend plugin",
     python_requires=">=3.10",
-    packages=["vllm_duo", "vllm_duo.kernels"],
-    package_dir={"vllm_duo": "vllm_duo", "vllm_duo.kernels": "kernels"},
-    package_data={"vllm_duo": ["patterns/*.json", "patterns/LICENSE*"]},
+    packages=["vllm_duo", "vllm_duo.kernels", "vllm_duo.patterns"],
+    package_dir={"vllm_duo": "vllm_duo", "vllm_duo.kernels": "kernels", "vllm_duo.patterns": "patterns"},
+    package_data={"vllm_duo.patterns": ["*.json", "LICENSE*", "README.md"]},
     install_requires=["pydantic>=2", "numpy", "tqdm", "matplotlib"],
     extras_require={
         "gpu": ["vllm==0.26.0"],
@@ -18,6 +18,7 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["duo = vllm_duo.plugin:register"],
+        "vllm.platform_plugins": ["duo = vllm_duo.platforms:activate"],
         "console_scripts": ["vllm-duo = vllm_duo.cli:main"],
     },
 )

@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The duo attention backend: retrieval heads over paged blocks, streaming heads over a sink+recent ring.
+
+Head grouping uses index maps (`LayerHeads`) instead of reordering q/k/v/o weights: vLLM 0.26
+hands a backend neither the projections nor a post-load hook that sees them, and index maps
+leave weight loading, quantization and TP sharding untouched. The PyTorch path gathers heads;
+the Triton kernels take the maps as arguments and read each head in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from vllm_duo.config import plan_from_vllm_config
+from vllm_duo.kernels.reference import LayerHeads, duo_attention
+from vllm_duo.kv_cache import DuoAttentionSpec, plan_page_layout
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
+
+
+class DuoAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "DUO"
+
+    @staticmethod
+    def get_impl_cls() -> type[DuoAttentionImpl]:
+        return DuoAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DuoAttentionMetadataBuilder]:
+        return DuoAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 80, 96, 112, 128, 256]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+    @classmethod
+    def kv_cache_spec(cls, layer, vllm_config) -> DuoAttentionSpec:
+        """The duo cache spec of one attention layer (vLLM asks the layer; plugin.py routes it here)."""
+        plan = plan_from_vllm_config(vllm_config)
+        block_size = vllm_config.cache_config.block_size
+        layout = plan_page_layout(plan.retrieval_counts, plan.shape.num_kv_heads, plan.sink, plan.recent,
+                                  block_size, vllm_config.model_config.max_model_len)
+        index = extract_layer_index(layer.layer_name)
+        retrieval = plan.retrieval_counts[index]
+        return DuoAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=layout.page_heads[index],
+            head_size=layer.head_size,
+            dtype=layer.kv_cache_torch_dtype,
+            num_retrieval_heads=retrieval,
+            num_streaming_heads=plan.shape.num_kv_heads - retrieval,
+            sink=plan.sink,
+            recent=plan.recent,
+            streaming_blocks=layout.streaming_blocks,
+        )
+
+
+@dataclass
+class DuoAttentionMetadata:
+    """Per-step batch description, shared by all layers.
+
+    `block_table` rows are `[E streaming blocks | retrieval blocks]` (kv_cache.py).
+    """
+
+    num_actual_tokens: int
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+
+
+class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]):
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> DuoAttentionMetadata:
+        cam = common_attn_metadata
+        num_reqs = cam.num_reqs
+        return DuoAttentionMetadata(
+            num_actual_tokens=cam.num_actual_tokens,
+            query_start_loc=cam.query_start_loc_cpu[: num_reqs + 1].tolist(),
+            seq_lens=cam.seq_lens_cpu[:num_reqs].tolist(),
+            block_table=cam.block_table_tensor[:num_reqs],
+        )
+
+
+class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **unsupported) -> None:
+        for name, value in dict(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                                logits_soft_cap=logits_soft_cap, kv_sharing=kv_sharing_target_layer_name,
+                                **unsupported).items():
+            if value:
+                raise NotImplementedError(f"duo attention does not support {name}={value!r}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.vllm_config = get_current_vllm_config()  # set while vLLM builds the model
+        self.heads: LayerHeads | None = None
+
+    def _layer_heads(self, layer, kv_cache: torch.Tensor) -> LayerHeads:
+        """Resolve this layer's head maps on first use: the impl learns its layer from `layer`."""
+        if self.heads is None:
+            plan = plan_from_vllm_config(self.vllm_config)
+            index = extract_layer_index(layer.layer_name)
+            spec = DuoAttentionBackend.kv_cache_spec(layer, self.vllm_config)
+            self.heads = LayerHeads.build(plan.retrieval_heads(index), self.num_kv_heads, self.num_heads,
+                                          spec.num_kv_heads, spec.streaming_blocks, plan.sink, plan.recent,
+                                          device=kv_cache.device)
+        return self.heads
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: DuoAttentionMetadata | None, output: torch.Tensor,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        """Duo attention for one layer.
+
+        Args:
+            query: `[num_tokens, num_heads, head_size]`
+            key, value: `[num_tokens, num_kv_heads, head_size]`
+            kv_cache: `[num_blocks, 2, block_size, P, head_size]`
+            output: `[num_tokens, num_heads * head_size]`
+        """
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("duo attention does not fuse output quantization")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        n = attn_metadata.num_actual_tokens
+        heads = self._layer_heads(layer, kv_cache)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        duo_attention(query[:n].view(n, self.num_heads, self.head_size),
+                      key[:n].view(n, self.num_kv_heads, self.head_size),
+                      value[:n].view(n, self.num_kv_heads, self.head_size),
+                      kv_cache, heads, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                      attn_metadata.block_table, self.scale, out)
+        return output

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Duo settings from vLLM's --additional-config, resolved once per process into a head plan."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vllm_duo.pattern import HeadPattern, PatternError, resolve_pattern
+
+ADDITIONAL_CONFIG_KEY = "duo"
+
+
+class DuoSettings(BaseModel):
+    """What a user may put under `--additional-config '{"duo": {...}}'`.
+
+    Every field is optional: the head pattern carries defaults for sparsity, sink and recent.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    pattern: str | None = None
+    sparsity: float | None = Field(default=None, ge=0.0, le=1.0)
+    sink: int | None = Field(default=None, ge=0)
+    recent: int | None = Field(default=None, ge=0)
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict | None) -> DuoSettings:
+        raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
+        if not isinstance(raw, dict):
+            raise PatternError(
+                f'--additional-config "duo" must be a JSON object, got {raw!r}: '
+                'write e.g. \'{"duo": {"pattern": "NAME", "sparsity": 0.5}}\''
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or "duo"
+            allowed = ", ".join(cls.model_fields)
+            raise PatternError(
+                f"bad --additional-config duo.{field}: {err['msg']} (got {err.get('input')!r}); "
+                f"allowed keys: {allowed}; sparsity in [0, 1], sink and recent >= 0"
+            ) from None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention shape of the model being served, as the pattern must match it."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class DuoPlan:
+    """The resolved per-head decision for one model: which KV heads keep the full context.
+
+    `retrieval_mask[l, h]` is True for a retrieval (full-context) KV head of layer l.
+    """
+
+    retrieval_mask: np.ndarray
+    sparsity: float
+    sink: int
+    recent: int
+    pattern_source: str
+    shape: ModelShape
+
+    def retrieval_heads(self, layer: int) -> list[int]:
+        return [int(h) for h in np.flatnonzero(self.retrieval_mask[layer])]
+
+    def streaming_heads(self, layer: int) -> list[int]:
+        return [int(h) for h in np.flatnonzero(~self.retrieval_mask[layer])]
+
+    @property
+    def retrieval_counts(self) -> list[int]:
+        return [int(c) for c in self.retrieval_mask.sum(axis=1)]
+
+    @property
+    def retrieval_ratio(self) -> float:
+        return float(self.retrieval_mask.mean())
+
+    def summary(self) -> str:
+        return (
+            f"duo: pattern {self.pattern_source}; retrieval ratio {self.retrieval_ratio:.3f} "
+            f"(sparsity {self.sparsity:g}); sink {self.sink}, recent {self.recent}; "
+            f"retrieval heads per layer {self.retrieval_counts}"
+        )
+
+
+def build_plan(settings: DuoSettings, pattern: HeadPattern, source: str, shape: ModelShape) -> DuoPlan:
+    """Check the pattern against the model and binarize it at the chosen sparsity."""
+    pattern.check_model(shape.architecture, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    sparsity = pattern.sparsity if settings.sparsity is None else settings.sparsity
+    sink = pattern.sink if settings.sink is None else settings.sink
+    recent = pattern.recent if settings.recent is None else settings.recent
+    if sink + recent == 0:
+        raise PatternError("duo sink and recent are both 0: streaming heads would see nothing; set sink or recent > 0")
+    mask = np.asarray(pattern.retrieval_mask_at(sparsity), dtype=bool)
+    return DuoPlan(
+        retrieval_mask=mask,
+        sparsity=float(1.0 - mask.mean()) if settings.sparsity is None else sparsity,
+        sink=sink,
+        recent=recent,
+        pattern_source=source,
+        shape=shape,
+    )
+
+
+def model_shape(model_config) -> ModelShape:
+    """Read the attention shape from a vLLM ModelConfig."""
+    hf = model_config.hf_text_config
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    archs = getattr(model_config.hf_config, "architectures", None) or ["unknown"]
+    return ModelShape(
+        name=str(model_config.model),
+        architecture=archs[0],
+        num_layers=hf.num_hidden_layers,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        num_heads=num_heads,
+        head_dim=head_dim,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_plan(settings_json: str, model_path: str, shape: ModelShape) -> DuoPlan:
+    settings = DuoSettings.model_validate_json(settings_json)
+    pattern, source = resolve_pattern(settings.pattern, model_path)
+    return build_plan(settings, pattern, source, shape)
+
+
+def plan_from_vllm_config(vllm_config) -> DuoPlan:
+    """The duo plan of the model in `vllm_config`; computed once per process."""
+    settings = DuoSettings.from_additional_config(vllm_config.additional_config)
+    shape = model_shape(vllm_config.model_config)
+    return _cached_plan(
+        json.dumps(settings.model_dump(), sort_keys=True), str(vllm_config.model_config.model), shape
+    )

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM platform plugin: the detected CUDA or CPU platform, plus duo's config checks.
+
+A platform's `check_and_update_config` runs while vLLM builds its config, before any model or
+GPU work: the one place to reject a bad pattern early and to turn prefix caching off for duo.
+On CPU it also lets `--attention-backend duo` through (vLLM's CPU platform only knows CPU_ATTN).
+Without duo selected both classes behave exactly as vLLM's own.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from vllm_duo import BACKEND_PATH
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
+
+
+class DuoPlatformMixin:
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        super().check_and_update_config(vllm_config)
+        from vllm_duo.plugin import is_duo
+
+        if not is_duo(vllm_config.attention_config.backend):
+            return
+        from vllm_duo.config import plan_from_vllm_config
+
+        plan = plan_from_vllm_config(vllm_config)
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("duo runs with --tensor-parallel-size 1 for now: drop the flag or use a dense backend")
+        cache_config = vllm_config.cache_config
+        if cache_config.enable_prefix_caching:
+            logger.info("duo: prefix caching disabled (streaming heads keep a per-request sink+recent ring "
+                        "that cannot be shared between requests)")
+            cache_config.enable_prefix_caching = False
+        logger.info(plan.summary())
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        from vllm_duo.plugin import is_duo
+
+        if is_duo(selected_backend) and cls.device_type == "cpu":
+            return BACKEND_PATH
+        return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+
+
+def _subclass(name: str):
+    if name == "DuoCpuPlatform":
+        from vllm.platforms.cpu import CpuPlatform as base
+    elif name == "DuoCudaPlatform":
+        from vllm.platforms.cuda import CudaPlatform as base
+    else:
+        raise AttributeError(name)
+    return type(name, (DuoPlatformMixin, base), {"__module__": __name__})
+
+
+def __getattr__(name: str):
+    """Build the platform subclass on first access, so importing this module imports no platform."""
+    cls = _subclass(name)
+    globals()[name] = cls
+    return cls
+
+
+def activate() -> str | None:
+    """Entry point of `vllm.platform_plugins`: wrap whichever of CUDA / CPU vLLM would pick."""
+    from vllm.platforms import cpu_platform_plugin, cuda_platform_plugin
+
+    from vllm_duo.plugin import add_backend_member
+
+    add_backend_member()
+    if cuda_platform_plugin() is not None:
+        return f"{__name__}.DuoCudaPlatform"
+    if cpu_platform_plugin() is not None:
+        return f"{__name__}.DuoCpuPlatform"
+    return None
