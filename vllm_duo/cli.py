@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The `vllm-duo` command line: argument parsing and dispatch; each command's logic lives in its own module."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from vllm_duo import pattern_report
+from vllm_duo.pattern import PatternError
+
+# A command is a function that adds its parser to the `vllm-duo` subparsers and sets `handler`: a function of the
+# parsed arguments returning the text to print. To add one, write such a function and list it in _COMMANDS.
+_Subparsers = argparse._SubParsersAction
+
+
+def _add_pattern_commands(commands: _Subparsers) -> None:
+    pattern = commands.add_parser("pattern", help="convert, inspect and check head-pattern files",
+                                  description="Convert, inspect and check DuoAttention head-pattern files.")
+    actions = pattern.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pattern_help = "a pattern JSON file, a bundled pattern name or alias, or a duo-attention reference folder"
+
+    convert = actions.add_parser(
+        "convert", help="convert a duo-attention reference folder to a pattern JSON",
+        description="Convert a mit-han-lab/duo-attention attn_patterns run folder (full_attention_heads.tsv + "
+                    "config.json) to a vllm-duo pattern JSON, keeping the gates.")
+    convert.add_argument("reference_dir", metavar="REFERENCE_DIR")
+    convert.add_argument("-o", "--output", required=True, metavar="OUT.json")
+    convert.add_argument("--name", help="model name (default: the folder name)")
+    convert.add_argument("--alias", action="append", default=[], dest="aliases", metavar="NAME",
+                         help="another name that finds this pattern, e.g. a Hugging Face repo id (repeatable)")
+    convert.add_argument("--model", metavar="MODEL_DIR", help="model folder whose config.json gives the shape")
+    convert.add_argument("--architecture", help="e.g. LlamaForCausalLM (overrides --model)")
+    convert.add_argument("--head-dim", type=int, help="attention head size (overrides --model)")
+    convert.add_argument("--sink", type=int, default=64, help="sink tokens of streaming heads (default 64)")
+    convert.add_argument("--recent", type=int, default=256, help="recent tokens of streaming heads (default 256)")
+    convert.add_argument("--sparsity", type=float, default=0.5, help="default fraction of streaming heads (0.5)")
+    convert.add_argument("--source", help="provenance source (default: the training run's output_dir)")
+    convert.add_argument("--date", help="provenance date, YYYY-MM-DD (default: the TSV's modification date)")
+    convert.add_argument("--license", help="license of the gates, e.g. MIT")
+    convert.set_defaults(handler=lambda args: pattern_report.convert(
+        args.reference_dir, args.output, name=args.name, aliases=args.aliases, model_config=args.model,
+        architecture=args.architecture, head_dim=args.head_dim, sink=args.sink, recent=args.recent,
+        sparsity=args.sparsity, source=args.source, date=args.date, license=args.license))
+
+    show = actions.add_parser("show", help="per-layer retrieval heads and KV saving of a pattern",
+                              description="Print per-layer retrieval counts, the retrieval ratio, sink/recent and "
+                                          "the expected KV-cache saving; optionally draw a heatmap.")
+    show.add_argument("pattern", metavar="PATTERN", help=pattern_help)
+    show.add_argument("--sparsity", type=float, help="fraction of streaming heads (default: the pattern's)")
+    show.add_argument("--context-len", type=int, default=32768, help="tokens per sequence (default 32768)")
+    show.add_argument("--heatmap", metavar="OUT.png", help="write a PNG of the gates with retrieval heads marked")
+    show.set_defaults(handler=lambda args: pattern_report.show(args.pattern, args.sparsity, args.context_len,
+                                                               args.heatmap))
+
+    validate = actions.add_parser("validate", help="check a pattern file (and that it fits a model)",
+                                  description="Validate a pattern; with --model, check its shape against the "
+                                              "model's config.json.")
+    validate.add_argument("pattern", metavar="PATTERN", help=pattern_help)
+    validate.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder with config.json")
+    validate.set_defaults(handler=lambda args: pattern_report.validate(args.pattern, args.model))
+
+
+_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-duo", description="DuoAttention for vLLM: tools around the plugin.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in _COMMANDS:
+        add_command(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; a user error prints one `vllm-duo: error: ...` line to stderr and exits with code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        output = args.handler(args)
+    except PatternError as error:
+        parser.exit(2, f"vllm-duo: error: {error}\n")
+    except OSError as error:
+        problem = f"{error.strerror}: {error.filename}" if error.filename else str(error)
+        parser.exit(2, f"vllm-duo: error: {problem}\n")
+    if output:
+        print(output)
+    return 0
+
+
+if __name__ == "__main__":  # `python -m vllm_duo.cli` from a source checkout, where the console script is absent
+    sys.exit(main())

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the `vllm-duo pattern` commands do: convert, summarize, draw and check head patterns."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from vllm_duo.pattern import HeadPattern, kv_footprint, read_hf_config, resolve_pattern
+
+_GIB = 1024**3
+_LAYERS_PER_TABLE_ROW = 16
+
+
+def convert(reference_dir: str, out: str, **reference_options) -> str:
+    """Imports a duo-attention reference folder and writes it as a pattern JSON; returns a one-line summary.
+
+    `reference_options` are those of HeadPattern.from_reference_dir (name, model_config, architecture, ...).
+    """
+    pattern = HeadPattern.from_reference_dir(reference_dir, **reference_options)
+    pattern.save(out)
+    return f"wrote {out}: {_shape_summary(pattern)}"
+
+
+def show(spec: str, sparsity: float | None = None, context_len: int = 32768, heatmap: str | None = None) -> str:
+    """Multi-line report: per-layer retrieval counts, retrieval ratio, sink/recent and the KV saving at context_len.
+
+    With `heatmap`, also draws the pattern there as a PNG (see write_heatmap).
+    """
+    pattern, source = resolve_pattern(spec)
+    counts = pattern.retrieval_counts(sparsity)
+    num_retrieval = sum(counts)
+    footprint = kv_footprint(pattern, context_len, sparsity)
+    requested = sparsity if sparsity is not None else pattern.sparsity
+    chosen = f"sparsity {requested:g}" if requested is not None else "stored mask"
+    lines = [
+        f"pattern    {pattern.model.name} ({source})",
+        f"model      {pattern.model.architecture}, {_shape_summary(pattern)}",
+        f"gates      {_gate_summary(pattern)}",
+        f"heads      {chosen}: {num_retrieval} of {pattern.num_heads} KV heads are retrieval "
+        f"(retrieval ratio {num_retrieval / pattern.num_heads:.3f}), {pattern.num_heads - num_retrieval} streaming",
+        f"streaming  sink {pattern.sink} + recent {pattern.recent} tokens",
+        f"retrieval heads per layer (of {pattern.model.num_kv_heads}):",
+    ]
+    for start in range(0, len(counts), _LAYERS_PER_TABLE_ROW):
+        layers = range(start, min(start + _LAYERS_PER_TABLE_ROW, len(counts)))
+        lines.append("  layer " + "".join(f"{layer:4d}" for layer in layers))
+        lines.append("  heads " + "".join(f"{counts[layer]:4d}" for layer in layers))
+    lines.append(
+        f"KV cache of one {context_len}-token sequence (bf16): dense {footprint.dense_bytes / _GIB:.2f} GiB, "
+        f"duo {footprint.duo_bytes / _GIB:.2f} GiB ({footprint.ratio:.3f} of dense, saving {footprint.saving:.1%})")
+    if heatmap is not None:
+        write_heatmap(pattern, heatmap, sparsity)
+        lines.append(f"heatmap    {heatmap}")
+    return "\n".join(lines)
+
+
+def write_heatmap(pattern: HeadPattern, out: str, sparsity: float | None = None) -> None:
+    """Draws the gates as a [layers x KV heads] PNG with the retrieval heads at `sparsity` dotted in red."""
+    # Imported here: only --heatmap needs matplotlib, and it is slow to import. Figure without pyplot draws with
+    # Agg and leaves the process-wide backend alone.
+    from matplotlib.figure import Figure
+
+    mask = pattern.retrieval_mask_at(sparsity)
+    values = np.array(pattern.gates) if pattern.gates is not None else mask.astype(float)
+    num_layers, num_kv_heads = mask.shape
+    figure = Figure(figsize=(3.0 + 0.3 * num_kv_heads, 2.0 + 0.2 * num_layers), layout="constrained")
+    axes = figure.add_subplot()
+    image = axes.imshow(values, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    layers, heads = np.nonzero(mask)
+    axes.scatter(heads, layers, s=12, c="red", marker="o", label="retrieval head")
+    axes.set_xlabel("KV head")
+    axes.set_ylabel("layer")
+    axes.set_title(f"{pattern.model.name}: {mask.sum()} of {mask.size} KV heads retrieval (red),\n"
+                   f"sparsity {1 - mask.mean():.3f}, sink {pattern.sink} + recent {pattern.recent}", fontsize=9)
+    figure.colorbar(image, ax=axes, label="gate" if pattern.gates is not None else "retrieval mask")
+    figure.savefig(out, dpi=120)
+
+
+def validate(spec: str, model_dir: str | None = None) -> str:
+    """Loads the pattern (and checks it against model_dir's config.json); returns one line starting with OK."""
+    pattern, source = resolve_pattern(spec)
+    summary = f"OK: {source}: {pattern.model.name}, {_shape_summary(pattern)}, {sum(pattern.retrieval_counts())} " \
+              f"retrieval heads by default, sink {pattern.sink}, recent {pattern.recent}"
+    if model_dir is None:
+        return summary
+    shape = read_hf_config(model_dir)
+    pattern.check_model(*shape, model_name=str(Path(model_dir)))
+    return f"{summary}; matches model {model_dir} ({shape.architecture})"
+
+
+def _shape_summary(pattern: HeadPattern) -> str:
+    model = pattern.model
+    return f"{model.num_layers} layers x {model.num_kv_heads} KV heads, head_dim {model.head_dim}"
+
+
+def _gate_summary(pattern: HeadPattern) -> str:
+    if pattern.gates is None:
+        return "none (fixed retrieval mask)"
+    gates = np.array(pattern.gates)
+    return f"min {gates.min():.3f}, median {np.median(gates):.4f}, max {gates.max():.3f}"
