@@ -1,0 +1,355 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests of the head-pattern format, its binarization, the bundled patterns and the `vllm-duo pattern` commands."""
+import collections
+import json
+import math
+import shutil
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_duo.cli import main
+from vllm_duo.pattern import (HeadPattern, PatternError, bundled_patterns, find_bundled, kv_footprint,
+                              read_hf_config, resolve_pattern)
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE_DIR = REPO.parent / "shared" / "reference-patterns"
+SHIPPED = sorted((REPO / "patterns").glob("*.json"))
+needs_reference = pytest.mark.skipif(not REFERENCE_DIR.is_dir(), reason=f"{REFERENCE_DIR} is not there")
+
+# /work/shared/reference-patterns/README.md, "Per-layer number of heads strictly above the global median": with no
+# gate equal to the median, these are the per-layer retrieval counts at sparsity 0.5.
+README_COUNTS_ABOVE_MEDIAN = {
+    "Llama-2-7B-32K-Instruct": [12, 21, 4, 10, 4, 11, 14, 13, 14, 13, 18, 17, 18, 19, 23, 20,
+                                21, 20, 21, 19, 19, 15, 20, 9, 17, 14, 20, 9, 12, 15, 22, 28],
+    "Meta-Llama-3.1-8B-Instruct": [2, 3, 4, 1, 4, 2, 2, 6, 4, 6, 5, 5, 2, 8, 4, 5,
+                                   4, 6, 3, 4, 5, 2, 4, 5, 3, 3, 3, 4, 5, 5, 8, 1],
+    "Mistral-7B-Instruct-v0.3": [2, 3, 5, 2, 3, 4, 3, 4, 1, 2, 3, 5, 5, 1, 5, 5,
+                                 4, 2, 7, 5, 5, 6, 3, 4, 4, 3, 6, 3, 4, 7, 6, 6],
+}
+
+
+def small_pattern(num_layers=2, num_kv_heads=4, gates=None) -> dict:
+    """A valid pattern as a dict, for tests to break one field at a time."""
+    if gates is None:
+        gates = np.linspace(0.0, 1.0, num_layers * num_kv_heads).reshape(num_layers, num_kv_heads).tolist()
+    return {
+        "schema_version": 1,
+        "model": {"name": "Tiny", "aliases": ["org/Tiny"], "architecture": "LlamaForCausalLM",
+                  "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": 64},
+        "gates": gates,
+        "sparsity": 0.5,
+        "sink": 4,
+        "recent": 16,
+        "provenance": {"source": "test", "method": "hand-made", "date": "2025-01-01"},
+    }
+
+
+def write_json(path: Path, data) -> Path:
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def write_hf_config(folder: Path, num_layers=32, num_kv_heads=8, architecture="LlamaForCausalLM") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "config.json", {"architectures": [architecture], "num_hidden_layers": num_layers,
+                                        "num_attention_heads": 32, "num_key_value_heads": num_kv_heads,
+                                        "hidden_size": 4096})
+    return folder
+
+
+def edited(edit):
+    """A small pattern dict changed by `edit(data)`, which mutates it in place."""
+    data = small_pattern()
+    edit(data)
+    return data
+
+
+def set_gate(value):
+    return lambda data: data["gates"][0].__setitem__(1, value)
+
+
+# (id, file content: str as is or a dict to dump, check_model arguments or None, words the message must name)
+BAD_INPUTS = [
+    ("not_json", "{not json", None, ["not JSON"]),
+    ("empty_file", "", None, ["not JSON"]),
+    ("json_array", [], None, ["top level"]),
+    ("missing_field", edited(lambda d: d.pop("sink")), None, ["`sink`", "missing"]),
+    ("missing_model_field", edited(lambda d: d["model"].pop("head_dim")), None, ["model.head_dim"]),
+    ("unknown_field", edited(lambda d: d.update(threshold=0.5)), None, ["unknown field `threshold`"]),
+    ("unknown_model_field", edited(lambda d: d["model"].update(layers=2)), None, ["model.layers"]),
+    ("wrong_schema_version", edited(lambda d: d.update(schema_version=2)), None, ["schema_version", "2"]),
+    ("zero_layers", edited(lambda d: d["model"].update(num_layers=0)), None, ["model.num_layers"]),
+    ("gate_rows_vs_layers", edited(lambda d: d["gates"].pop()), None, ["gates", "num_layers"]),
+    ("ragged_rows", edited(lambda d: d["gates"][1].pop()), None, ["gates[1]", "num_kv_heads"]),
+    ("nan_gate", edited(set_gate(float("nan"))), None, ["gates[0][1]", "nan"]),
+    ("inf_gate", edited(set_gate(float("inf"))), None, ["gates[0][1]", "inf"]),
+    ("gate_1.5", edited(set_gate(1.5)), None, ["gates[0][1]", "1.5"]),
+    ("gate_-0.5", edited(set_gate(-0.5)), None, ["gates[0][1]", "-0.5"]),
+    ("gate_string", edited(set_gate("0.5")), None, ["gates[0][1]", "'0.5'"]),
+    ("sparsity_1.2", edited(lambda d: d.update(sparsity=1.2)), None, ["sparsity", "1.2"]),
+    ("sparsity_-0.1", edited(lambda d: d.update(sparsity=-0.1)), None, ["sparsity", "-0.1"]),
+    ("gates_without_sparsity", edited(lambda d: d.pop("sparsity")), None, ["sparsity", "missing"]),
+    ("negative_sink", edited(lambda d: d.update(sink=-1)), None, ["sink", "-1"]),
+    ("sink_and_recent_zero", edited(lambda d: d.update(sink=0, recent=0)), None, ["sink", "recent"]),
+    ("neither_gates_nor_mask", edited(lambda d: d.pop("gates")), None, ["gates", "retrieval_mask"]),
+    ("mask_value_2", edited(lambda d: d.update(retrieval_mask=[[2, 0, 1, 1], [0, 0, 1, 1]])), None,
+     ["retrieval_mask[0][0]", "2"]),
+    ("mask_contradicts_sparsity", edited(lambda d: d.update(retrieval_mask=[[1, 1, 1, 1], [1, 1, 1, 0]])), None,
+     ["sparsity", "0.5", "retrieval_mask"]),
+    ("layers_vs_model", small_pattern(), ("LlamaForCausalLM", 30, 4, 64), ["2 layers", "30"]),
+    ("kv_heads_vs_model", small_pattern(), ("LlamaForCausalLM", 2, 8, 64), ["4 KV heads", "8"]),
+]
+
+
+@pytest.mark.parametrize("content, model, named", [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_pattern_error(tmp_path, content, model, named):
+    path = tmp_path / "pattern.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+    with pytest.raises(PatternError) as caught:
+        pattern = HeadPattern.load(path)
+        if model is not None:
+            pattern.check_model(*model)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert str(path) in message
+    for word in named:
+        assert word in message
+
+
+def test_missing_file_is_pattern_error(tmp_path):
+    with pytest.raises(PatternError, match="cannot read pattern"):
+        HeadPattern.load(tmp_path / "absent.json")
+
+
+def test_small_negative_gates_are_clipped(tmp_path):
+    data = small_pattern(gates=[[-0.0014, 0.2, 1.004, 0.5], [0.1, 0.3, 0.6, 0.9]])
+    pattern = HeadPattern.load(write_json(tmp_path / "p.json", data))
+    assert pattern.gates[0] == [0.0, 0.2, 1.0, 0.5]
+
+
+def expected_retrieval_total(num_heads: int, sparsity: float) -> int:
+    """N - ceil(s * (N - 1)), in exact arithmetic."""
+    return num_heads - math.ceil(Fraction(str(sparsity)) * (num_heads - 1))
+
+
+def straightforward_counts(gates: list[list[float]], num_retrieval: int) -> list[int]:
+    """Per-layer counts of the `num_retrieval` largest gates, ties to the lower (layer, head)."""
+    ranked = sorted((-gate, layer, head) for layer, row in enumerate(gates) for head, gate in enumerate(row))
+    per_layer = collections.Counter(layer for _, layer, _ in ranked[:num_retrieval])
+    return [per_layer[layer] for layer in range(len(gates))]
+
+
+@pytest.mark.parametrize("num_layers, num_kv_heads, expected", [(32, 8, [192, 128, 64]), (32, 32, [768, 512, 256])])
+def test_retrieval_count_rule(num_layers, num_kv_heads, expected):
+    gates = np.random.default_rng(0).random((num_layers, num_kv_heads)).tolist()
+    pattern = HeadPattern.model_validate(small_pattern(num_layers, num_kv_heads, gates))
+    totals = [int(pattern.retrieval_mask_at(s).sum()) for s in (0.25, 0.5, 0.75)]
+    assert totals == expected
+
+
+@pytest.mark.parametrize("sparsity", [0.1, 0.3, 0.7, 0.9])
+def test_retrieval_count_survives_float_rounding(sparsity):
+    # 0.7 * 10 == 7.000000000000001 in floating point; the exact count of streaming heads is 7.
+    pattern = HeadPattern.model_validate(small_pattern(1, 11, [np.linspace(0, 1, 11).tolist()]))
+    assert int(pattern.retrieval_mask_at(sparsity).sum()) == expected_retrieval_total(11, sparsity)
+
+
+def test_sparsity_extremes_and_out_of_range():
+    pattern = HeadPattern.model_validate(small_pattern())
+    assert pattern.retrieval_mask_at(0.0).all()
+    assert not pattern.retrieval_mask_at(1.0).any()
+    for sparsity in (1.2, -0.1, float("nan")):
+        with pytest.raises(PatternError, match="outside"):
+            pattern.retrieval_mask_at(sparsity)
+
+
+def test_ties_go_to_lower_layer_then_lower_head():
+    pattern = HeadPattern.model_validate(small_pattern(gates=[[0.5, 1.0, 0.5, 0.0], [1.0, 0.5, 0.5, 0.0]]))
+    # 8 - ceil(0.5 * 7) = 4 retrieval heads: both 1.0 gates, then the first two 0.5 gates in (layer, head) order.
+    assert pattern.retrieval_mask_at(0.5).tolist() == [[True, True, True, False], [True, False, False, False]]
+
+
+def test_shipped_patterns_exist():
+    assert [path.stem for path in SHIPPED] == sorted(bundled_patterns())
+    assert len(SHIPPED) == 6
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[path.stem for path in SHIPPED])
+def test_shipped_binarization(path):
+    pattern = HeadPattern.load(path)
+    for sparsity in (0.25, 0.5, 0.75):
+        expected_total = expected_retrieval_total(pattern.num_heads, sparsity)
+        counts = pattern.retrieval_counts(sparsity)
+        assert sum(counts) == expected_total
+        assert counts == straightforward_counts(pattern.gates, expected_total)
+        assert np.array_equal(pattern.retrieval_mask_at(sparsity), pattern.retrieval_mask_at(sparsity))
+    if path.stem in README_COUNTS_ABOVE_MEDIAN:
+        assert pattern.retrieval_counts(0.5) == README_COUNTS_ABOVE_MEDIAN[path.stem]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[path.stem for path in SHIPPED])
+def test_shipped_file_is_what_save_writes(tmp_path, path):
+    HeadPattern.load(path).save(tmp_path / "copy.json")
+    assert (tmp_path / "copy.json").read_bytes() == path.read_bytes()
+
+
+def test_round_trip_with_mask(tmp_path):
+    data = small_pattern()
+    data["retrieval_mask"] = [[0, 0, 1, 1], [0, 1, 1, 0]]
+    data["layer_exclusive"] = True
+    original = HeadPattern.model_validate(data)
+    original.save(tmp_path / "p.json")
+    loaded = HeadPattern.load(tmp_path / "p.json")
+    assert loaded.model_dump() == original.model_dump()
+
+
+def test_mask_only_pattern():
+    data = small_pattern()
+    data.pop("gates")
+    data.pop("sparsity")
+    data["retrieval_mask"] = [[0, 0, 1, 1], [0, 1, 1, 1]]
+    pattern = HeadPattern.model_validate(data)
+    assert pattern.retrieval_counts() == [2, 3]
+    assert pattern.retrieval_counts(0.375) == [2, 3]
+    with pytest.raises(PatternError, match="only a retrieval mask"):
+        pattern.retrieval_mask_at(0.5)
+
+
+def test_kv_footprint():
+    pattern = HeadPattern.model_validate(small_pattern())  # 8 heads, 4 retrieval at 0.5, sink 4 + recent 16
+    long = kv_footprint(pattern, 1000)
+    assert (long.dense_slots, long.duo_slots) == (8000, 4 * 1000 + 4 * 20)
+    assert long.saving == pytest.approx(1 - 4080 / 8000)
+    assert long.dense_bytes == 8000 * 2 * 64 * 2
+    short = kv_footprint(pattern, 10, sparsity=0.75)
+    assert short.duo_slots == 10 * 2 + 10 * 6
+
+
+@needs_reference
+@pytest.mark.parametrize("path", SHIPPED, ids=[path.stem for path in SHIPPED])
+def test_reference_import_equals_shipped(path):
+    shipped = HeadPattern.load(path)
+    imported = HeadPattern.from_reference_dir(REFERENCE_DIR / path.stem)
+    assert imported.gates == shipped.gates
+    assert imported.model.model_dump(exclude={"aliases"}) == shipped.model.model_dump(exclude={"aliases"})
+    assert (imported.sink, imported.recent) == (64, 256)
+    assert "sink_size=128, recent_size=256" in imported.provenance.notes
+
+
+@needs_reference
+def test_reference_import_needs_shape_for_unknown_model(tmp_path):
+    folder = tmp_path / "my-run"
+    shutil.copytree(REFERENCE_DIR / "Mistral-7B-Instruct-v0.3", folder)
+    with pytest.raises(PatternError, match="architecture and head_dim"):
+        HeadPattern.from_reference_dir(folder)
+    from_args = HeadPattern.from_reference_dir(folder, architecture="MistralForCausalLM", head_dim=128)
+    from_config = HeadPattern.from_reference_dir(folder, model_config=write_hf_config(tmp_path / "model"))
+    assert from_args.model.name == "my-run"
+    assert from_config.model.architecture == "LlamaForCausalLM"
+    with pytest.raises(PatternError, match="30 x 8"):
+        HeadPattern.from_reference_dir(folder, model_config=write_hf_config(tmp_path / "other", num_layers=30))
+
+
+def test_read_hf_config_defaults(tmp_path):
+    write_json(tmp_path / "config.json", {"architectures": ["GPT"], "num_hidden_layers": 2,
+                                          "num_attention_heads": 4, "hidden_size": 256})
+    assert tuple(read_hf_config(tmp_path)) == ("GPT", 2, 4, 64)
+
+
+def test_find_bundled_by_name_and_alias():
+    assert find_bundled("meta-llama/llama-3.1-8b-instruct").stem == "Meta-Llama-3.1-8B-Instruct"
+    assert find_bundled("Mistral-7B-Instruct-v0.2").stem == "Mistral-7B-Instruct-v0.2"
+    assert find_bundled("no-such-model") is None
+
+
+class TestResolvePattern:
+    def test_file(self, tmp_path):
+        path = write_json(tmp_path / "p.json", small_pattern())
+        pattern, source = resolve_pattern(str(path), "/models/anything")
+        assert pattern.model.name == "Tiny" and str(path) in source
+
+    def test_bundled_name_and_alias(self):
+        assert resolve_pattern("Mistral-7B-Instruct-v0.3", "x")[0].model.name == "Mistral-7B-Instruct-v0.3"
+        assert resolve_pattern("mistralai/Mistral-7B-Instruct-v0.3", "x")[0].model.name == "Mistral-7B-Instruct-v0.3"
+
+    @needs_reference
+    def test_reference_folder_wins_over_bundled_name(self, tmp_path, monkeypatch):
+        # A folder named like a bundled pattern, holding another model's gates: the folder is used.
+        shutil.copytree(REFERENCE_DIR / "Mistral-7B-Instruct-v0.3", tmp_path / "Meta-Llama-3.1-8B-Instruct")
+        monkeypatch.chdir(tmp_path)
+        pattern, source = resolve_pattern("Meta-Llama-3.1-8B-Instruct", "x")
+        assert source.startswith("reference folder")
+        assert pattern.gates == HeadPattern.load(find_bundled("Mistral-7B-Instruct-v0.3")).gates
+
+    def test_duo_pattern_json_in_model_folder_wins_over_bundled(self, tmp_path):
+        model_dir = tmp_path / "Llama-3.1-8B-Instruct"
+        model_dir.mkdir()
+        write_json(model_dir / "duo_pattern.json", small_pattern())
+        pattern, source = resolve_pattern(None, str(model_dir))
+        assert pattern.model.name == "Tiny" and "duo_pattern.json" in source
+
+    @pytest.mark.parametrize("model_path", ["meta-llama/Llama-3.1-8B-Instruct", "/models/llama-3.1-8b-instruct/"])
+    def test_bundled_by_model_name(self, model_path):
+        pattern, source = resolve_pattern(None, model_path)
+        assert pattern.model.name == "Meta-Llama-3.1-8B-Instruct" and source.startswith("bundled pattern")
+
+    def test_nothing_found(self, tmp_path):
+        with pytest.raises(PatternError) as caught:
+            resolve_pattern(None, str(tmp_path / "SmolLM2-135M"))
+        message = str(caught.value)
+        assert "\n" not in message
+        assert "SmolLM2-135M" in message and "--additional-config" in message and "Mistral-7B-Instruct-v0.2" in message
+
+    def test_unknown_spec(self):
+        with pytest.raises(PatternError, match="no head pattern 'nope'.*Meta-Llama-3.1-8B-Instruct"):
+            resolve_pattern("nope", "x")
+
+
+def test_cli_show(capsys, tmp_path):
+    heatmap = tmp_path / "gates.png"
+    assert main(["pattern", "show", "Meta-Llama-3.1-8B-Instruct", "--sparsity", "0.5", "--heatmap", str(heatmap)]) == 0
+    out = capsys.readouterr().out
+    row = "".join(f"{count:4d}" for count in README_COUNTS_ABOVE_MEDIAN["Meta-Llama-3.1-8B-Instruct"][:16])
+    assert "  heads " + row in out
+    assert "128 of 256 KV heads are retrieval (retrieval ratio 0.500)" in out
+    assert "sink 64 + recent 256" in out
+    assert "saving" in out
+    assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_reference
+def test_cli_convert_then_validate(capsys, tmp_path):
+    out = tmp_path / "l31.json"
+    assert main(["pattern", "convert", str(REFERENCE_DIR / "Meta-Llama-3.1-8B-Instruct"), "-o", str(out),
+                 "--architecture", "LlamaForCausalLM", "--head-dim", "128", "--alias", "x/y"]) == 0
+    assert HeadPattern.load(out).model.aliases == ["x/y"]
+    model_dir = write_hf_config(tmp_path / "model")
+    capsys.readouterr()
+    assert main(["pattern", "validate", str(out), "--model", str(model_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("OK: ") and "matches model" in lines[0]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["pattern", "show", "no-such-pattern"], "no head pattern 'no-such-pattern'"),
+    (["pattern", "show", "Meta-Llama-3.1-8B-Instruct", "--sparsity", "1.5"], "sparsity 1.5"),
+    (["pattern", "validate", "Meta-Llama-3.1-8B-Instruct", "--model", "MODEL30"], "but model"),
+    (["pattern", "validate", "Meta-Llama-3.1-8B-Instruct", "--model", "/no/such/model"], "cannot read"),
+    (["pattern", "convert", "/no/such/folder", "-o", "OUT"], "has no full_attention_heads.tsv"),
+    (["pattern", "show", "BAD_JSON"], "is not JSON"),
+])
+def test_cli_user_error_is_one_line_exit_2(capsys, tmp_path, argv, named):
+    write_hf_config(tmp_path / "model30", num_layers=30)
+    (tmp_path / "bad.json").write_text("{", encoding="utf-8")
+    replacements = {"MODEL30": str(tmp_path / "model30"), "BAD_JSON": str(tmp_path / "bad.json"),
+                    "OUT": str(tmp_path / "out.json")}
+    with pytest.raises(SystemExit) as caught:
+        main([replacements.get(arg, arg) for arg in argv])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("vllm-duo: error: ")
+    assert named in captured.err
