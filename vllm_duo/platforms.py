@@ -13,6 +13,7 @@ from vllm.logger import init_logger
 
 from vllm_duo import BACKEND_PATH
 
+DUO_BLOCK_SIZE = 16
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 
@@ -34,6 +35,9 @@ class DuoPlatformMixin:
             logger.info("duo: prefix caching disabled (streaming heads keep a per-request sink+recent ring "
                         "that cannot be shared between requests)")
             cache_config.enable_prefix_caching = False
+        if not cache_config.user_specified_block_size and cache_config.block_size != DUO_BLOCK_SIZE:
+            # Small blocks keep the per-request streaming ring (whole blocks) small.
+            cache_config.block_size = DUO_BLOCK_SIZE
         logger.info(plan.summary())
 
     @classmethod
