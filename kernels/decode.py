@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton split-head duo decoding: paged retrieval heads split flash-decoding style, streaming heads over the ring.
+
+One launch covers a layer: the grid is (request, R x max_num_splits + S). A program serves
+the G query heads of one KV head, so each K/V byte is read once. Retrieval programs take an
+equal share of the context (split length computed on the device from seq_len) and a second
+kernel merges the shares; streaming programs read at most sink + recent ring cells and write
+their output directly. No host syncs and fixed grid shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_duo.kernels.cache_write import check_batch, check_tokens
+from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, streaming_tiles
+from vllm_duo.kernels.reference import LayerHeads
+
+DECODE_BLOCK_N = 64  # keys per tile on GPU (a multiple of the block size 16)
+MIN_SPLIT_TOKENS = 512  # below this a split's merge costs more than the parallelism gains
+
+
+@triton.jit
+def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per split: seq_len / MAX_SPLITS rounded up to whole tiles (at least one)."""
+    return tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                   retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
+                   num_retrieval, num_streaming, streaming_blocks, page_heads, sink, recent,
+                   stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
+                   stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
+                   stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
+                   stride_ch: tl.int64,
+                   G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Grid (num_reqs, R * MAX_SPLITS + S); requests whose query length is not 1 exit at once."""
+    req = tl.program_id(0)
+    pid = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    if pid < num_retrieval * MAX_SPLITS:
+        head = pid // MAX_SPLITS
+        split = pid % MAX_SPLITS
+        kv_head = tl.load(retrieval_kv_ptr + head)
+    else:
+        head = pid - num_retrieval * MAX_SPLITS + num_retrieval
+        split = 0
+        kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
+    split_len = _split_len(seq_len, MAX_SPLITS, BLOCK_N)
+    lo = split * split_len
+    if lo >= seq_len:
+        return
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_g < G)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_head = kv_head * G + offs_g
+    q = tl.load(query_ptr + q_start.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+                mask=mask, other=0.0)
+    q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + req * stride_table
+    if head < num_retrieval:
+        m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, tl.minimum(seq_len, lo + split_len), seq_len - 1,
+                                        cache_ptr, table_row, streaming_blocks, head, qk_scale,
+                                        stride_cb, stride_ckv, stride_cr, stride_ch,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+    else:
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, seq_len - 1, seq_len - 1, seq_len - 1, q_start,
+                                        cache_ptr, table_row, key_ptr, value_ptr, head - num_retrieval, kv_head,
+                                        num_streaming, page_heads, sink, recent, qk_scale, stride_kt, stride_kh,
+                                        stride_vt, stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+    out = acc / l_i[:, None]
+    if MAX_SPLITS > 1:
+        if head < num_retrieval:
+            # part_out [num_reqs, R * G, MAX_SPLITS, HEAD_DIM], part_lse [num_reqs, R * G, MAX_SPLITS]
+            part = (req * num_retrieval * G + head * G + offs_g) * MAX_SPLITS + split
+            tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
+            tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < G)
+            return
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_start_loc_ptr, seq_lens_ptr,
+                  num_retrieval, stride_ot: tl.int64, stride_oh: tl.int64,
+                  G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid (num_reqs, R * G): combine one query head's split results by their log-sum-exp."""
+    req = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_splits = tl.cdiv(seq_len, _split_len(seq_len, MAX_SPLITS, BLOCK_N))
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    part = (req * num_retrieval * G + h) * MAX_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    q_head = tl.load(retrieval_kv_ptr + h // G) * G + h % G
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per retrieval head so that about 8 programs per SM stream the cache, none under 512 tokens.
+
+    Depends only on host ints, so a captured graph can fix it (pass max_model_len as max_seq_len).
+    """
+    if device.type != "cuda" or num_retrieval == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(8 * sms, max(num_reqs * num_retrieval, 1))
+    return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), 64))
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                     heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     block_table: torch.Tensor, scale: float, output: torch.Tensor, max_num_splits: int) -> None:
+    """Duo attention of every request with exactly one new token; other requests are left untouched.
+
+    The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
+    streaming ring must still hold the state before this step (`write_streaming_kv` runs after).
+
+    Args:
+        query: `[num_tokens, num_heads, head_dim]`; key, value: `[num_tokens, num_kv_heads, head_dim]`.
+        cache: `[num_blocks, 2, block_size, P, head_dim]`.
+        heads: the layer's head maps (index tensors on the cache's device).
+        query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
+        output: `[num_tokens, num_heads, head_dim]`, written in place.
+        max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 skips the merge.
+    """
+    check_tokens(cache, query, key, value, output)
+    check_batch(query_start_loc, seq_lens, block_table, cache.device)
+    if heads.num_streaming and heads.recent < 1:
+        raise ValueError(f"recent must be >= 1, got {heads.recent}")
+    num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
+    if query.shape[0] == 0 or num_reqs == 0 or R + S == 0:
+        return
+    splits = max_num_splits if R else 1
+    head_dim, G = cache.shape[-1], heads.group_size
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = DECODE_BLOCK_N if cache.is_cuda else 16
+    part_out = part_lse = output  # unused placeholders when nothing is split
+    if splits > 1:
+        part_out = torch.empty(num_reqs, R * G, splits, head_dim, dtype=torch.float32, device=cache.device)
+        part_lse = torch.empty(num_reqs, R * G, splits, dtype=torch.float32, device=cache.device)
+    _decode_kernel[(num_reqs, R * splits + S)](
+        query, key, value, cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
+        query_start_loc, seq_lens, block_table, scale * LOG2E,
+        R, S, heads.streaming_blocks, cache.shape[3], heads.sink, heads.recent,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        output.stride(0), output.stride(1), block_table.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, num_warps=4, num_stages=3 if cache.is_cuda else 1)
+    if splits > 1:
+        _merge_kernel[(num_reqs, R * G)](
+            output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, R,
+            output.stride(0), output.stride(1),
+            G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4)

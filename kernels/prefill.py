@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton chunked-prefill duo attention over a varlen batch: causal retrieval heads, Λ-masked streaming heads.
+
+One program takes BLOCK_Q query tokens x the G query heads of one KV head (BLOCK_M = BLOCK_Q * G
+rows, GQA packed so each K/V tile serves the whole group). Retrieval heads read the paged cache
+(the chunk's own rows included, so `write_retrieval_kv` runs first); streaming heads read only the
+sink tiles and the window of `recent` positions below the tile, from the ring where the position
+is older than the chunk and from the `key`/`value` inputs otherwise, so their work is
+O(chunk x (sink + recent)). The tile helpers here are shared with decode.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_duo.kernels.cache_write import check_batch, check_tokens, find_request, retrieval_rows, ring_rows
+from vllm_duo.kernels.reference import LayerHeads
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+    """One online-softmax step over a K/V tile, in base 2 (`qk_scale` includes log2(e)).
+
+    q `[M, D]`, k/v `[N, D]`, visible `[M, N]` (read only if MASKED); m_i/l_i `[M]`, acc `[M, D]` fp32.
+    """
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row, streaming_blocks, head, qk_scale,
+                    stride_cb, stride_ckv, stride_cr, stride_ch,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr):
+    """Attend rows at positions `q_pos` (smallest `first`) to retrieval head `head`'s cached keys [lo, hi).
+
+    Tiles wholly at or below `first` need no mask; only the tiles after them check k <= q.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = (offs_d < HEAD_DIM)[None, :]
+    full_end = lo + (tl.minimum(first + 1, hi) - lo) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_end, BLOCK_N):
+        pos = start + offs_n
+        rows = retrieval_rows(table_row, pos, pos < hi, streaming_blocks, head, stride_cb, stride_cr, stride_ch,
+                              BLOCK_SIZE)
+        ptr = cache_ptr + rows[:, None] + offs_d[None, :]
+        k = tl.load(ptr, mask=d_ok, other=0.0).to(q.dtype)
+        v = tl.load(ptr + stride_ckv, mask=d_ok, other=0.0).to(q.dtype)
+        m_i, l_i, acc = softmax_tile(q, k, v, None, m_i, l_i, acc, qk_scale, False)
+    for start in range(full_end, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        rows = retrieval_rows(table_row, pos, valid, streaming_blocks, head, stride_cb, stride_cr, stride_ch,
+                              BLOCK_SIZE)
+        ptr = cache_ptr + rows[:, None] + offs_d[None, :]
+        k = tl.load(ptr, mask=valid[:, None] & d_ok, other=0.0).to(q.dtype)
+        v = tl.load(ptr + stride_ckv, mask=valid[:, None] & d_ok, other=0.0).to(q.dtype)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _streaming_kv(pos, valid, num_cached, q_start, cache_ptr, table_row, key_ptr, value_ptr, head, kv_head,
+                  num_streaming, page_heads, sink, recent, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_cb, stride_ckv, stride_cr, stride_ch, dtype,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K/V `[N, D]` of streaming positions `pos`: ring cells before the chunk, key/value inputs after."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = (offs_d < HEAD_DIM)[None, :]
+    old = valid & (pos < num_cached)
+    new = (valid & (pos >= num_cached))[:, None] & d_ok
+    rows = ring_rows(table_row, pos, old, head, num_streaming, page_heads, sink, recent,
+                     stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
+    ring = cache_ptr + rows[:, None] + offs_d[None, :]
+    tok = (q_start + pos - num_cached).to(tl.int64)[:, None]
+    k = tl.load(ring, mask=old[:, None] & d_ok, other=0.0).to(dtype)
+    v = tl.load(ring + stride_ckv, mask=old[:, None] & d_ok, other=0.0).to(dtype)
+    k += tl.load(key_ptr + tok * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=new, other=0.0).to(dtype)
+    v += tl.load(value_ptr + tok * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=new, other=0.0).to(dtype)
+    return k, v
+
+
+@triton.jit
+def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, cache_ptr, table_row, key_ptr,
+                    value_ptr, head, kv_head, num_streaming, page_heads, sink, recent, qk_scale,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr):
+    """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
+
+    Only two key ranges can be visible: the sinks [0, sink) and the window
+    [first - recent + 1, last]; everything between is skipped.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    sink_end = tl.minimum(sink, last + 1)
+    for start in range(0, sink_end, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < sink_end
+        k, v = _streaming_kv(pos, valid, num_cached, q_start, cache_ptr, table_row, key_ptr, value_ptr, head,
+                             kv_head, num_streaming, page_heads, sink, recent, stride_kt, stride_kh, stride_vt,
+                             stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch, q.dtype,
+                             HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
+    for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
+        pos = start + offs_n
+        valid = pos <= last
+        k, v = _streaming_kv(pos, valid, num_cached, q_start, cache_ptr, table_row, key_ptr, value_ptr, head,
+                             kv_head, num_streaming, page_heads, sink, recent, stride_kt, stride_kh, stride_vt,
+                             stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch, q.dtype,
+                             HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
+        m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
+                    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
+                    num_reqs, num_tiles, num_retrieval, num_streaming, streaming_blocks, page_heads, sink, recent,
+                    min_query_len,
+                    stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
+                    stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
+                    stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
+                    stride_ch: tl.int64,
+                    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Grid (query tiles, R + S): retrieval KV heads first, then streaming ones."""
+    tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a prompt have the most keys: start them first
+    head = tl.program_id(1)
+    req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    t0 = q_start + (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if (t0 >= q_end) | (q_end - q_start < min_query_len):
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_cached = seq_len - (q_end - q_start)
+    first = num_cached + t0 - q_start
+    last = num_cached + tl.minimum(t0 + BLOCK_Q, q_end) - 1 - q_start
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = t0 + offs_m // G
+    row_ok = (offs_m < BLOCK_Q * G) & (tok < q_end)
+    q_pos = num_cached + tok - q_start
+    if head < num_retrieval:
+        kv_head = tl.load(retrieval_kv_ptr + head)
+    else:
+        kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
+    q_head = kv_head * G + offs_m % G
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok64 = tok.to(tl.int64)[:, None]
+    q = tl.load(query_ptr + tok64 * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + req * stride_table
+    if head < num_retrieval:
+        m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, 0, last + 1, first, cache_ptr, table_row,
+                                        streaming_blocks, head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+    else:
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, cache_ptr,
+                                        table_row, key_ptr, value_ptr, head - num_retrieval, kv_head, num_streaming,
+                                        page_heads, sink, recent, qk_scale, stride_kt, stride_kh, stride_vt,
+                                        stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _prefill_config(head_dim: int, device: torch.device) -> dict:
+    """Tile shapes: tensor-core sized on GPU; small on the CPU interpreter so tests cross many tiles."""
+    if device.type != "cuda":
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                      heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, scale: float, output: torch.Tensor, min_query_len: int = 1) -> None:
+    """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
+
+    The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
+    streaming ring must still hold the state before this step (`write_streaming_kv` runs after).
+
+    Args:
+        query: `[num_tokens, num_heads, head_dim]`; key, value: `[num_tokens, num_kv_heads, head_dim]`.
+        cache: `[num_blocks, 2, block_size, P, head_dim]`.
+        heads: the layer's head maps (index tensors on the cache's device).
+        query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
+        output: `[num_tokens, num_heads, head_dim]`, written in place.
+        min_query_len: 2 when decode.py serves the single-token requests.
+    """
+    check_tokens(cache, query, key, value, output)
+    check_batch(query_start_loc, seq_lens, block_table, cache.device)
+    if heads.num_streaming and heads.recent < 1:
+        raise ValueError(f"recent must be >= 1, got {heads.recent}")
+    num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
+    num_heads = heads.num_retrieval + heads.num_streaming
+    if num_tokens == 0 or num_reqs == 0 or num_heads == 0:
+        return
+    head_dim, G = cache.shape[-1], heads.group_size
+    cfg = _prefill_config(head_dim, cache.device)
+    block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(G))
+    block_q = block_m // G
+    num_tiles = num_tokens // block_q + num_reqs
+    _prefill_kernel[(num_tiles, num_heads)](
+        query, key, value, cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
+        block_table, scale * LOG2E,
+        num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.streaming_blocks, cache.shape[3],
+        heads.sink, heads.recent, min_query_len,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        output.stride(0), output.stride(1), block_table.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=cache.shape[2], **cfg)

@@ -1,0 +1,309 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton duo kernels against kernels/reference.py: on the CPU interpreter with small shapes, on CUDA with full ones."""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at their import below
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its CPU interpreter without a GPU)")
+
+from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
+from vllm_duo.kernels.cache_write import write_retrieval_kv, write_streaming_kv  # noqa: E402
+from vllm_duo.kernels.decode import decode_attention  # noqa: E402
+from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
+from vllm_duo.kernels.reference import LayerHeads, duo_attention, write_retrieval, write_streaming  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A layer shape and a batch: each request is (tokens already cached, new tokens)."""
+
+    num_heads: int
+    num_kv_heads: int
+    retrieval: tuple[int, ...]
+    requests: tuple[tuple[int, int], ...]
+    head_dim: int = 64
+    block_size: int = 16
+    sink: int = 4
+    recent: int = 16
+    page_heads: int | None = None  # default max(R, 1)
+
+
+# Small shapes for the interpreter. W = sink + recent = 20 unless said otherwise; most contexts exceed it.
+PRESETS = {
+    "decode_gqa3": Preset(12, 4, (0, 2), ((37, 1), (5, 1), (100, 1), (19, 1), (20, 1))),
+    "decode_mha": Preset(4, 4, (1,), ((60, 1), (3, 1), (0, 1))),
+    "prefill_only": Preset(12, 4, (1, 2), ((0, 40), (0, 7), (0, 70))),
+    "chunked_mixed": Preset(8, 4, (3,), ((50, 30), (20, 1), (3, 17), (0, 1), (33, 45))),
+    "all_retrieval": Preset(4, 2, (0, 1), ((30, 20), (40, 1), (0, 33))),
+    "all_streaming_odd_ring": Preset(6, 2, (), ((30, 20), (40, 1), (0, 50)), sink=1, recent=7),
+    "head_dim_128": Preset(4, 2, (1,), ((20, 10), (25, 1)), head_dim=128),
+    "head_dim_80_wide_pages": Preset(6, 3, (2,), ((70, 5), (10, 1), (0, 9)), head_dim=80, block_size=32,
+                                     page_heads=3, sink=8, recent=24),
+    "graph_padding": Preset(12, 4, (0, 2), ((12, 1), (40, 1), (0, 0), (0, 0))),
+}
+
+# Full shapes for CUDA: Llama-3.1-8B heads (GQA 4), half the KV heads retrieval, long rings.
+GPU_PRESETS = {
+    "llama_decode": Preset(32, 8, (0, 3, 4, 6), tuple((n, 1) for n in (4000, 77, 1500, 2049, 320, 321, 9000)),
+                           head_dim=128, sink=64, recent=256),
+    "llama_mixed": Preset(32, 8, (1, 2, 5, 7), ((0, 1000), (3000, 1), (700, 513), (64, 1), (2500, 300)),
+                          head_dim=128, sink=64, recent=256),
+    "mha_64": Preset(16, 16, tuple(range(0, 16, 3)), ((0, 700), (1200, 1), (400, 130)), head_dim=64,
+                     sink=16, recent=128),
+}
+
+
+@dataclass(frozen=True)
+class Tol:
+    rel: float  # on ||out - ref|| / ||ref||
+    rtol: float
+    atol: float
+
+
+TOL = {torch.float32: Tol(1e-5, 1e-3, 1e-4), torch.float16: Tol(3e-3, 1e-2, 1e-2),
+       torch.bfloat16: Tol(2e-2, 5e-2, 5e-2)}
+
+
+@dataclass
+class Case:
+    """Fresh random inputs for one step of a preset, with the cache already holding the cached tokens."""
+
+    preset: Preset
+    heads: LayerHeads
+    cache: torch.Tensor
+    block_table: torch.Tensor
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    scale: float
+    device: torch.device = field(default=CPU)
+
+    @property
+    def qsl(self) -> torch.Tensor:
+        return torch.tensor(self.query_start_loc, dtype=torch.int32, device=self.device)
+
+    @property
+    def sl(self) -> torch.Tensor:
+        return torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device)
+
+    def poisoned_output(self) -> torch.Tensor:
+        return torch.full_like(self.query, float("nan"))
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference output and the cache after the step (the case's own cache stays untouched)."""
+        cache, out = self.cache.clone(), torch.zeros_like(self.query)
+        duo_attention(self.query, self.key, self.value, cache, self.heads, self.query_start_loc, self.seq_lens,
+                      self.block_table, self.scale, out)
+        return out, cache
+
+
+def fused_qkv(num_tokens: int, p: Preset, dtype, device):
+    """q, k, v as strided views of one [T, H + 2 Hkv, D] tensor, like vLLM's qkv split."""
+    qkv = torch.randn(num_tokens, p.num_heads + 2 * p.num_kv_heads, p.head_dim, dtype=dtype, device=device)
+    return qkv.split([p.num_heads, p.num_kv_heads, p.num_kv_heads], dim=1)
+
+
+def make_case(p: Preset, dtype=torch.float32, device=CPU) -> Case:
+    R, S = len(p.retrieval), p.num_kv_heads - len(p.retrieval)
+    P = p.page_heads or max(R, 1)
+    E = -(-(p.sink + p.recent) * S // (p.block_size * P)) if S else 0
+    heads = LayerHeads.build(list(p.retrieval), p.num_kv_heads, p.num_heads, P, E, p.sink, p.recent, device=device)
+    seq_lens = [c + n for c, n in p.requests]
+    counts = [E + -(-s // p.block_size) if s else 0 for s in seq_lens]
+    num_blocks = 1 + sum(counts) + 3  # block 0 stays unused, a few spare blocks
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    table = torch.zeros(len(p.requests), max(counts) + 2, dtype=torch.int32)
+    for i, n in enumerate(counts):
+        table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    table = table.to(device)
+    cache = torch.randn(num_blocks, 2, p.block_size, P, p.head_dim, dtype=dtype, device=device)
+    scale = p.head_dim ** -0.5
+
+    cached = [c for c, _ in p.requests]
+    if any(cached):  # earlier chunks: let the reference write them
+        q, k, v = fused_qkv(sum(cached), p, dtype, device)
+        starts = [0]
+        for c in cached:
+            starts.append(starts[-1] + c)
+        duo_attention(q, k, v, cache, heads, starts, cached, table, scale, torch.empty_like(q))
+    starts = [0]
+    for _, n in p.requests:
+        starts.append(starts[-1] + n)
+    q, k, v = fused_qkv(starts[-1], p, dtype, device)
+    return Case(p, heads, cache, table, q, k, v, starts, seq_lens, scale, device)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
+    tol = TOL[dtype]
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} output elements unwritten or NaN"
+    rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel < tol.rel, f"relative error {rel:.2e} >= {tol.rel:.0e}"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol.rtol, atol=tol.atol)
+
+
+def decode_rows(case: Case) -> torch.Tensor:
+    """Token rows of the requests with exactly one new token."""
+    starts = case.query_start_loc
+    rows = [starts[i] for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
+    return torch.tensor(rows, dtype=torch.long, device=case.device)
+
+
+def run_duo(case: Case, cache: torch.Tensor, max_num_splits: int | None = None) -> torch.Tensor:
+    out = case.poisoned_output()
+    lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
+    duo_attention_triton(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits)
+    return out
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_cache_write(name):
+    case = make_case(PRESETS[name])
+    ref, cache = case.cache.clone(), case.cache.clone()
+    heads, E = case.heads, case.heads.streaming_blocks
+    for i, seq_len in enumerate(case.seq_lens):
+        start, end = case.query_start_loc[i], case.query_start_loc[i + 1]
+        positions = torch.arange(seq_len - (end - start), seq_len)
+        k, v, row = case.key[start:end], case.value[start:end], case.block_table[i].long()
+        write_retrieval(ref, row[E:], positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv])
+        if heads.num_streaming:
+            write_streaming(ref, row[:E], positions, k[:, heads.streaming_kv], v[:, heads.streaming_kv], seq_len,
+                            heads.sink, heads.recent)
+    write_retrieval_kv(case.key, case.value, cache, heads.retrieval_kv, case.qsl, case.sl, case.block_table, E)
+    if heads.num_streaming:
+        write_streaming_kv(case.key, case.value, cache, heads.streaming_kv, case.qsl, case.sl, case.block_table,
+                           heads.sink, heads.recent)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_prefill_kernel(name):
+    """The prefill kernel alone serves any query length (min_query_len=1), decode requests included."""
+    case = make_case(PRESETS[name])
+    ref, _ = case.reference()
+    cache, out = case.cache.clone(), case.poisoned_output()
+    write_retrieval_kv(case.key, case.value, cache, case.heads.retrieval_kv, case.qsl, case.sl, case.block_table,
+                       case.heads.streaming_blocks)
+    prefill_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                      case.scale, out)
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", PRESETS)
+def test_decode_kernel(name, splits):
+    """Decode writes exactly the rows of single-token requests, with or without the split merge."""
+    case = make_case(PRESETS[name])
+    rows = decode_rows(case)
+    if rows.numel() == 0:
+        pytest.skip("no decode requests in this batch")
+    ref, _ = case.reference()
+    cache, out = case.cache.clone(), case.poisoned_output()
+    write_retrieval_kv(case.key, case.value, cache, case.heads.retrieval_kv, case.qsl, case.sl, case.block_table,
+                       case.heads.streaming_blocks)
+    decode_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                     case.scale, out, splits)
+    assert_close(out[rows], ref[rows], torch.float32)
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert out[others].isnan().all(), "decode wrote rows of multi-token requests"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_duo_attention_triton(name):
+    case = make_case(PRESETS[name])
+    ref, ref_cache = case.reference()
+    cache = case.cache.clone()
+    out = run_duo(case, cache, max_num_splits=2)
+    assert_close(out, ref, torch.float32)
+    assert torch.equal(cache, ref_cache)
+
+
+def test_duo_attention_triton_fp16():
+    case = make_case(PRESETS["chunked_mixed"], dtype=torch.float16)
+    ref, ref_cache = case.reference()
+    cache = case.cache.clone()
+    assert_close(run_duo(case, cache, max_num_splits=2), ref, torch.float16)
+    assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("chunks", [(23, 23, 23, 1, 1, 1), (5, 40, 1, 1, 30, 1)])
+def test_steps_keep_cache_in_sync(chunks):
+    """Prompt chunks then decode steps, each path on its own cache: the outputs agree at every step."""
+    halves = [max(1, n // 2) for n in chunks]  # the second request runs shorter chunks
+    p = Preset(12, 4, (1, 2), ((0, sum(chunks)), (0, sum(halves))), sink=4, recent=16)
+    case = make_case(p)  # only its cache, block table and head maps are used
+    ref_cache, cache = case.cache.clone(), case.cache.clone()
+    seq = [0, 0]
+    for n, m in zip(chunks, halves):
+        seq = [seq[0] + n, seq[1] + m]
+        q, k, v = fused_qkv(n + m, p, torch.float32, CPU)
+        ref = torch.zeros_like(q)
+        duo_attention(q, k, v, ref_cache, case.heads, [0, n, n + m], seq, case.block_table, case.scale, ref)
+        step = Case(p, case.heads, cache, case.block_table, q, k, v, [0, n, n + m], list(seq), case.scale)
+        out = run_duo(step, cache)
+        assert_close(out, ref, torch.float32)
+    assert torch.equal(cache, ref_cache)
+
+
+def test_rejects_int64_metadata():
+    case = make_case(PRESETS["decode_mha"])
+    with pytest.raises(ValueError, match="int32"):
+        write_retrieval_kv(case.key, case.value, case.cache, case.heads.retrieval_kv, case.qsl.long(), case.sl,
+                           case.block_table, case.heads.streaming_blocks)
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(GPU_PRESETS) + list(PRESETS))
+def test_duo_attention_triton_cuda(name, dtype):
+    case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=dtype, device=CUDA)
+    ref, ref_cache = case.reference()
+    cache = case.cache.clone()
+    out = run_duo(case, cache)
+    torch.cuda.synchronize()
+    assert_close(out, ref, dtype)
+    assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph():
+    """A decode step captured once replays correctly on new inputs written into the same buffers."""
+    case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA)
+    qsl, sl, out = case.qsl, case.sl, case.poisoned_output()
+    cache = case.cache.clone()
+    start_cache = cache.clone()
+
+    def step():
+        duo_attention_triton(case.query, case.key, case.value, cache, case.heads, qsl, sl, case.block_table,
+                             case.scale, out, 1, 16384, max_num_splits=8)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        for t in (case.query, case.key, case.value):
+            t.copy_(torch.randn_like(t))
+        cache.copy_(start_cache)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_cache = case.reference()  # case.cache is the state before the step
+        assert_close(out, ref, torch.bfloat16)
+        assert torch.equal(cache, ref_cache)
