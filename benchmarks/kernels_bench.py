@@ -1,0 +1,354 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU microbenchmark of the duo Triton kernels against vLLM's FlashAttention (FA3) on a dense paged cache.
+
+Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16), half the KV heads
+retrieval ([0, 2, 5, 7]), block size 16, sink 64, recent 256.
+  decode:  batch 32 x 32k context: duo decode vs FA3 over 8 KV heads and over the 4 retrieval heads;
+           achieved bandwidth = KV bytes that must be read / time.
+  prefill: one request of 8k / 32k / 128k tokens, whole prompt or 8k chunks: duo layer vs FA3 causal,
+           duo streaming heads alone (time per token should not grow with the context).
+Floors (bytes / bandwidth, FLOPs / rate): decode reads 2.15 GB of duo KV (4 of 8 heads, plus 20 MB
+of rings) vs 4.3 GB dense, about 0.7 ms vs 1.4 ms at a 3 TB/s copy rate; a 128k causal prefill is
+2 * T^2 * 32 * 128 = 1.4e14 FLOPs dense, about 0.18 s at 800 TFLOP/s, and duo needs half of that.
+Every working set here is larger than the 50 MB L2, so inputs are not rotated. Outputs are
+cross-checked: duo retrieval heads against FA3 on the same K/V, decode against the PyTorch
+reference for two requests, chunked prefill against the whole-prompt run.
+
+Run from the repository root: python benchmarks/kernels_bench.py   (results: $OUT/kernels_bench.json,
+or benchmarks/results/ without $OUT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_kernels_from_checkout() -> None:
+    """Make vllm_duo.kernels importable from this checkout when the package is not installed.
+
+    setup.py maps the package vllm_duo.kernels to the folder kernels/; do the same by hand.
+    """
+    try:
+        import vllm_duo.kernels  # noqa: F401
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("vllm_duo.kernels", ROOT / "kernels" / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT / "kernels")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vllm_duo.kernels"] = module
+    spec.loader.exec_module(module)
+
+
+_import_kernels_from_checkout()
+from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
+from vllm_duo.kernels.decode import decode_attention, decode_num_splits  # noqa: E402
+from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
+from vllm_duo.kernels.reference import LayerHeads, duo_attention  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+RETRIEVAL = [0, 2, 5, 7]
+BLOCK, SINK, RECENT = 16, 64, 256
+DTYPE = torch.bfloat16
+BYTES = 2
+NOMINAL_TBPS = {"H100": 3.35, "H200": 4.8}
+DEV = torch.device("cuda")
+SCALE = HEAD_DIM ** -0.5
+
+
+def ms(fn) -> float:
+    """Median time in ms after a warm-up call (compiles, autotunes, allocates)."""
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def load_fa():
+    """vLLM's flash_attn_varlen_func pinned to FA3 (FA2 if FA3 is not supported here), or (None, why)."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+        from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason, is_fa_version_supported
+    except Exception as e:  # noqa: BLE001 - any import failure means: time duo alone
+        return None, f"vllm.vllm_flash_attn import failed: {e!r}"
+    for version in (3, 2):
+        if is_fa_version_supported(version):
+            def fa(*args, _v=version, **kw):
+                return flash_attn_varlen_func(*args, fa_version=_v, **kw)
+            fa.version = version
+            return fa, None if version == 3 else f"FA3 unsupported: {fa_version_unsupported_reason(3)}"
+    return None, f"no FA version supported: {fa_version_unsupported_reason(3)}"
+
+
+@dataclasses.dataclass
+class DuoLayout:
+    """A duo cache for `seq_lens`, block ids scattered at random, block 0 unused."""
+
+    heads: LayerHeads
+    cache: torch.Tensor
+    table: torch.Tensor
+
+    @classmethod
+    def build(cls, seq_lens: list[int]) -> DuoLayout:
+        R, S = len(RETRIEVAL), NUM_KV_HEADS - len(RETRIEVAL)
+        P = R
+        E = triton.cdiv((SINK + RECENT) * S, BLOCK * P)
+        heads = LayerHeads.build(RETRIEVAL, NUM_KV_HEADS, NUM_HEADS, P, E, SINK, RECENT, device=DEV)
+        counts = [E + triton.cdiv(s, BLOCK) for s in seq_lens]
+        ids = torch.randperm(sum(counts), device=DEV).int() + 1
+        table = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32, device=DEV)
+        offset = 0
+        for i, n in enumerate(counts):
+            table[i, :n] = ids[offset:offset + n]
+            offset += n
+        cache = torch.randn(sum(counts) + 1, 2, BLOCK, P, HEAD_DIM, dtype=DTYPE, device=DEV)
+        return cls(heads, cache, table)
+
+    def copy_retrieval_from(self, dense_k, dense_v, dense_table, seq_lens):
+        """Put the dense cache's retrieval heads into the duo pages (same K/V for both kernels)."""
+        E, R = self.heads.streaming_blocks, self.heads.num_retrieval
+        for i, s in enumerate(seq_lens):
+            n = triton.cdiv(s, BLOCK)
+            src = dense_table[i, :n].long()
+            dst = self.table[i, E:E + n].long()
+            self.cache[dst, 0, :, :R] = dense_k[src][:, :, self.heads.retrieval_kv]
+            self.cache[dst, 1, :, :R] = dense_v[src][:, :, self.heads.retrieval_kv]
+
+    def with_only(self, kind: str) -> LayerHeads:
+        """The head maps with only the retrieval or only the streaming heads."""
+        h = self.heads
+        if kind == "streaming":
+            return dataclasses.replace(h, retrieval_kv=h.retrieval_kv[:0], retrieval_q=h.retrieval_q[:0])
+        return dataclasses.replace(h, streaming_kv=h.streaming_kv[:0], streaming_q=h.streaming_q[:0])
+
+
+def dense_paged(seq_lens: list[int], heads: int = NUM_KV_HEADS):
+    """vLLM's FA layout: K and V `[num_blocks, block_size, heads, head_dim]`, scattered blocks."""
+    counts = [triton.cdiv(s, BLOCK) for s in seq_lens]
+    ids = torch.randperm(sum(counts), device=DEV).int()
+    table = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32, device=DEV)
+    offset = 0
+    for i, n in enumerate(counts):
+        table[i, :n] = ids[offset:offset + n]
+        offset += n
+    k = torch.randn(sum(counts), BLOCK, heads, HEAD_DIM, dtype=DTYPE, device=DEV)
+    v = torch.randn_like(k)
+    return k, v, table
+
+
+def copy_bandwidth() -> float:
+    """Measured device-to-device copy rate in TB/s (read + write), the practical ceiling."""
+    a = torch.empty(2 ** 30 // BYTES, dtype=DTYPE, device=DEV)
+    b = torch.empty_like(a)
+    return 2 * a.numel() * BYTES / (ms(lambda: b.copy_(a)) * 1e-3) / 1e12
+
+
+def bench_decode(fa, rows, out_json, batch=32, context=32768):
+    seq_lens = [context] * batch
+    R, S = len(RETRIEVAL), NUM_KV_HEADS - len(RETRIEVAL)
+    dense_k, dense_v, dense_table = dense_paged(seq_lens)
+    duo = DuoLayout.build(seq_lens)
+    duo.copy_retrieval_from(dense_k, dense_v, dense_table, seq_lens)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    # the step's new K/V is the last token of the dense cache, so both sides see the same context
+    last = torch.tensor([s - 1 for s in seq_lens], device=DEV)
+    blk = dense_table[torch.arange(batch, device=DEV), last // BLOCK].long()
+    key, value = dense_k[blk, last % BLOCK], dense_v[blk, last % BLOCK]
+    out = torch.full_like(query, float("nan"))
+
+    kv_token_bytes = 2 * HEAD_DIM * BYTES
+    duo_bytes = sum(s * R + min(s, SINK + RECENT) * S for s in seq_lens) * kv_token_bytes
+    dense_bytes = sum(seq_lens) * NUM_KV_HEADS * kv_token_bytes
+    half_bytes = sum(seq_lens) * R * kv_token_bytes
+    auto = decode_num_splits(batch, R, context, DEV)
+    res = dict(batch=batch, context=context, auto_splits=auto, duo_kv_bytes=duo_bytes, dense_kv_bytes=dense_bytes,
+               duo_floor_ms_at_copy_rate=duo_bytes / (out_json["copy_tbps"] * 1e9),
+               dense_floor_ms_at_copy_rate=dense_bytes / (out_json["copy_tbps"] * 1e9))
+
+    def duo_step(splits):
+        return lambda: duo_attention_triton(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out,
+                                            1, context, splits)
+
+    # correctness first: reference on two requests, from the cache state before the step
+    before = duo.cache.clone()
+    duo_step(auto)()
+    ref = torch.zeros_like(query[:2])
+    duo_attention(query[:2], key[:2], value[:2], before, duo.heads, [0, 1, 2], seq_lens[:2], duo.table[:2], SCALE, ref)
+    res["check_vs_reference_rel_err"] = rel_err(out[:2], ref)
+    del before
+
+    for splits in sorted({auto, 4, 16}):
+        t = ms(lambda: decode_attention(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out,
+                                        splits))
+        res[f"duo_decode_ms_splits{splits}"] = t
+        rows.append(("decode", f"duo attention, {splits} splits", t, duo_bytes / t / 1e9))
+    t = ms(duo_step(auto))
+    res["duo_step_ms"] = t
+    rows.append(("decode", f"duo step incl. cache writes ({auto} splits)", t, duo_bytes / t / 1e9))
+    try:
+        graph_ms = triton.testing.do_bench_cudagraph(duo_step(auto), rep=100, return_mode="median")
+        res["duo_step_cudagraph_ms"] = graph_ms
+        rows.append(("decode", "duo step, CUDA graph replay", graph_ms, duo_bytes / graph_ms / 1e9))
+    except Exception as e:  # noqa: BLE001 - report and go on
+        res["duo_step_cudagraph_error"] = repr(e)
+        rows.append(("decode", f"duo step, CUDA graph FAILED: {e!r}"[:70], float("nan"), float("nan")))
+
+    if fa is not None:
+        cu_q = qsl
+        fa_out = torch.empty_like(query)
+
+        def fa_call(k, v, q, o):
+            return lambda: fa(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=context, seqused_k=sl,
+                              softmax_scale=SCALE, causal=True, block_table=dense_table, out=o)
+
+        t = ms(fa_call(dense_k, dense_v, query, fa_out))
+        res["fa_dense_ms"] = t
+        rows.append(("decode", f"FA{fa.version} dense, {NUM_KV_HEADS} KV heads", t, dense_bytes / t / 1e9))
+        rq = duo.heads.retrieval_q
+        res["retrieval_heads_vs_fa_rel_err"] = rel_err(out[:, rq], fa_out[:, rq])
+        k_half = dense_k[:, :, duo.heads.retrieval_kv].contiguous()
+        v_half = dense_v[:, :, duo.heads.retrieval_kv].contiguous()
+        q_half = query[:, rq].contiguous()
+        t = ms(fa_call(k_half, v_half, q_half, torch.empty_like(q_half)))
+        res["fa_retrieval_share_ms"] = t
+        rows.append(("decode", f"FA{fa.version} on the {R} retrieval KV heads only", t, half_bytes / t / 1e9))
+        del k_half, v_half
+    out_json["decode"] = res
+
+
+def bench_prefill(fa, rows, out_json, lengths=(8192, 32768, 131072), chunk=8192):
+    R = len(RETRIEVAL)
+    results = []
+    for T in lengths:
+        torch.cuda.empty_cache()
+        duo = DuoLayout.build([T])
+        dense_k, dense_v, dense_table = dense_paged([T])
+        query = torch.randn(T, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        key = torch.randn(T, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        value = torch.randn_like(key)
+        pos = torch.arange(T, device=DEV)
+        blk = dense_table[0, pos // BLOCK].long()
+        dense_k[blk, pos % BLOCK] = key  # FA reads the same K/V as duo
+        dense_v[blk, pos % BLOCK] = value
+        qsl = torch.tensor([0, T], dtype=torch.int32, device=DEV)
+        sl = torch.tensor([T], dtype=torch.int32, device=DEV)
+        out = torch.full_like(query, float("nan"))
+        res = dict(tokens=T, chunk=chunk)
+
+        whole = lambda: duo_attention_triton(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE,  # noqa: E731
+                                             out, T, T)
+        t = ms(whole)
+        res["duo_layer_ms"] = t
+        rows.append((f"prefill {T // 1024}k", "duo layer, whole prompt", t, float("nan")))
+        for kind in ("streaming", "retrieval"):
+            heads = duo.with_only(kind)
+            t = ms(lambda: prefill_attention(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out))
+            res[f"duo_{kind}_heads_ms"] = t
+            res[f"duo_{kind}_heads_us_per_token"] = t * 1e3 / T
+            rows.append((f"prefill {T // 1024}k", f"duo {kind} heads only ({t * 1e6 / T:.2f} ns/token)", t,
+                         float("nan")))
+
+        chunks = []
+        if T > chunk:
+            for c in range(0, T, chunk):
+                n = min(c + chunk, T)
+                chunks.append((slice(c, n), torch.tensor([0, n - c], dtype=torch.int32, device=DEV),
+                               torch.tensor([n], dtype=torch.int32, device=DEV), n))
+            out_chunked = torch.full_like(query, float("nan"))
+
+            def duo_chunked():
+                for s, cq, cs, n in chunks:
+                    duo_attention_triton(query[s], key[s], value[s], duo.cache, duo.heads, cq, cs, duo.table, SCALE,
+                                         out_chunked[s], s.stop - s.start, n)
+
+            t = ms(duo_chunked)
+            res["duo_layer_chunked_ms"] = t
+            res["chunked_vs_whole_rel_err"] = rel_err(out_chunked, out)
+            rows.append((f"prefill {T // 1024}k", f"duo layer, {chunk // 1024}k chunks", t, float("nan")))
+
+        if fa is not None:
+            fa_out = torch.empty_like(query)
+            t = ms(lambda: fa(query, dense_k, dense_v, max_seqlen_q=T, cu_seqlens_q=qsl, max_seqlen_k=T, seqused_k=sl,
+                              softmax_scale=SCALE, causal=True, block_table=dense_table, out=fa_out))
+            res["fa_dense_ms"] = t
+            res["retrieval_heads_vs_fa_rel_err"] = rel_err(out[:, duo.heads.retrieval_q], fa_out[:, duo.heads.retrieval_q])
+            rows.append((f"prefill {T // 1024}k", f"FA{fa.version} dense causal, whole prompt", t, float("nan")))
+            if chunks:
+                def fa_chunked():
+                    for s, cq, cs, n in chunks:
+                        fa(query[s], dense_k, dense_v, max_seqlen_q=s.stop - s.start, cu_seqlens_q=cq, max_seqlen_k=n,
+                           seqused_k=cs, softmax_scale=SCALE, causal=True, block_table=dense_table, out=fa_out[s])
+
+                t = ms(fa_chunked)
+                res["fa_dense_chunked_ms"] = t
+                rows.append((f"prefill {T // 1024}k", f"FA{fa.version} dense causal, {chunk // 1024}k chunks", t,
+                             float("nan")))
+        res["retrieval_kv_heads"] = R
+        results.append(res)
+        del duo, dense_k, dense_v, query, key, value, out
+    out_json["prefill"] = results
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("kernels_bench.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(DEV)
+    nominal = next((v for k, v in NOMINAL_TBPS.items() if k in props.name), 3.35)
+    fa, fa_note = load_fa()
+    started = time.time()
+    out_json = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                    triton=triton.__version__, fa_version=getattr(fa, "version", None), fa_note=fa_note,
+                    nominal_tbps=nominal)
+    copy_tbps = copy_bandwidth()
+    out_json["copy_tbps"] = copy_tbps
+    rows = []
+    for name, fn in (("decode", bench_decode), ("prefill", bench_prefill)):
+        try:
+            fn(fa, rows, out_json)
+        except Exception:  # noqa: BLE001 - keep the other half's numbers
+            out_json[f"{name}_error"] = traceback.format_exc()
+            print(out_json[f"{name}_error"], file=sys.stderr)
+    out_json["wall_s"] = time.time() - started
+
+    target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "kernels_bench.json").write_text(json.dumps(out_json, indent=2))
+
+    print(f"\n{props.name}, {props.multi_processor_count} SMs, triton {triton.__version__}; copy {copy_tbps:.2f} TB/s, "
+          f"nominal {nominal} TB/s; FA: {fa_note or f'FA{fa.version}'}")
+    checks = [("decode", k, v) for k, v in out_json.get("decode", {}).items() if "rel_err" in k]
+    checks += [(f"prefill {r['tokens']}", k, v) for r in out_json.get("prefill", []) for k, v in r.items()
+               if "rel_err" in k]
+    for case, k, v in checks:
+        print(f"  check {case} {k}: {v:.2e}")
+    print(f"{'case':<13} {'kernel':<52} {'ms':>9} {'GB/s':>8} {'% nominal':>9}")
+    for case, name, t, gbps in rows:
+        pct = f"{100 * gbps / (nominal * 1e3):8.1f}%" if gbps == gbps else ""
+        bw = f"{gbps:8.0f}" if gbps == gbps else ""
+        print(f"{case:<13} {name:<52} {t:9.3f} {bw:>8} {pct:>9}")
+    print(f"wrote {target / 'kernels_bench.json'} ({out_json['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
