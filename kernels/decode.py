@@ -18,14 +18,13 @@ from vllm_duo.kernels.cache_write import check_batch, check_tokens
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, streaming_tiles
 from vllm_duo.kernels.reference import LayerHeads
 
-DECODE_BLOCK_N = 64  # keys per tile on GPU (a multiple of the block size 16)
-MIN_SPLIT_TOKENS = 512  # below this a split's merge costs more than the parallelism gains
+MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes and merge outweigh the parallelism
 
 
 @triton.jit
-def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tokens per split: seq_len / MAX_SPLITS rounded up to whole tiles (at least one)."""
-    return tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N
+def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tokens per split of one request: seq_len / MAX_SPLITS in whole tiles, at least MIN_SPLIT."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
 
 
 @triton.jit
@@ -37,7 +36,8 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_p
                    stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                    stride_ch: tl.int64,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                   MIN_SPLIT: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS + S); requests whose query length is not 1 exit at once."""
     req = tl.program_id(0)
     pid = tl.program_id(1)
@@ -53,7 +53,7 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_p
         head = pid - num_retrieval * MAX_SPLITS + num_retrieval
         split = 0
         kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
-    split_len = _split_len(seq_len, MAX_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
     lo = split * split_len
     if lo >= seq_len:
         return
@@ -96,7 +96,7 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_p
 def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_start_loc_ptr, seq_lens_ptr,
                   num_retrieval, stride_ot: tl.int64, stride_oh: tl.int64,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                  MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (num_reqs, R * G): combine one query head's split results by their log-sum-exp."""
     req = tl.program_id(0)
     h = tl.program_id(1)
@@ -104,7 +104,7 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_s
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    num_splits = tl.cdiv(seq_len, _split_len(seq_len, MAX_SPLITS, BLOCK_N))
+    num_splits = tl.cdiv(seq_len, _split_len(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT))
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
@@ -120,7 +120,7 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_s
 
 
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per retrieval head so that about 8 programs per SM stream the cache, none under 512 tokens.
+    """Splits per retrieval head so that about 8 programs per SM stream the cache.
 
     Depends only on host ints, so a captured graph can fix it (pass max_model_len as max_seq_len).
     """
@@ -157,7 +157,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     splits = max_num_splits if R else 1
     head_dim, G = cache.shape[-1], heads.group_size
     block_d = triton.next_power_of_2(head_dim)
-    block_n = DECODE_BLOCK_N if cache.is_cuda else 16
+    # keys per tile: a multiple of the 16-token block; 32 for head_dim 256 (64 spills registers at 4 warps);
+    # 16 and one-tile splits on the CPU interpreter so that tests cross tiles and splits
+    block_n = (64 if head_dim <= 128 else 32) if cache.is_cuda else 16
+    min_split = MIN_SPLIT_TOKENS if cache.is_cuda else block_n
     part_out = part_lse = output  # unused placeholders when nothing is split
     if splits > 1:
         part_out = torch.empty(num_reqs, R * G, splits, head_dim, dtype=torch.float32, device=cache.device)
@@ -170,10 +173,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, num_warps=4, num_stages=3 if cache.is_cuda else 1)
+        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, num_warps=4,
+        num_stages=3 if cache.is_cuda else 1)
     if splits > 1:
         _merge_kernel[(num_reqs, R * G)](
             output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, R,
             output.stride(0), output.stride(1),
-            G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=splits,
+            G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=splits, MIN_SPLIT=min_split,
             BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
