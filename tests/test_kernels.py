@@ -2,14 +2,19 @@
 """Triton duo kernels against kernels/reference.py: on the CPU interpreter with small shapes, on CUDA with full ones."""
 
 import os
+import sys
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at their import below
-
-import pytest  # noqa: E402
+    # The CPU interpreter must be on before the first `import triton` (Triton's own library functions are
+    # decorated then); if another module imported triton first, set TRITON_INTERPRET=1 in tests/conftest.py.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (set it in tests/conftest.py, "
+                    "or run this file alone)", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its CPU interpreter without a GPU)")
 
