@@ -9,11 +9,11 @@ the Triton kernels take the maps as arguments and read each head in place.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from vllm.config import get_current_vllm_config
-from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -26,10 +26,12 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_duo.config import plan_from_vllm_config
+from vllm_duo.kernels.attention import duo_attention_triton
 from vllm_duo.kernels.reference import LayerHeads, duo_attention
 from vllm_duo.kv_cache import DuoAttentionSpec, plan_page_layout
 
-logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
+# VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
+FORCE_TORCH_PATH = os.environ.get("VLLM_DUO_ATTENTION", "triton") == "torch"
 
 
 class DuoAttentionBackend(AttentionBackend):
@@ -97,13 +99,18 @@ class DuoAttentionBackend(AttentionBackend):
 class DuoAttentionMetadata:
     """Per-step batch description, shared by all layers.
 
-    `block_table` rows are `[E streaming blocks | retrieval blocks]` (kv_cache.py).
+    `block_table` rows are `[E streaming blocks | retrieval blocks]` (kv_cache.py). The kernels
+    read the device tensors; the PyTorch path (CPU) reads the host lists.
     """
 
     num_actual_tokens: int
-    query_start_loc: list[int]
-    seq_lens: list[int]
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
     block_table: torch.Tensor
+    query_start_loc_host: list[int] | None
+    seq_lens_host: list[int] | None
 
 
 class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]):
@@ -116,11 +123,16 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
               fast_build: bool = False) -> DuoAttentionMetadata:
         cam = common_attn_metadata
         num_reqs = cam.num_reqs
+        on_host = self.device.type == "cpu" or FORCE_TORCH_PATH
         return DuoAttentionMetadata(
             num_actual_tokens=cam.num_actual_tokens,
-            query_start_loc=cam.query_start_loc_cpu[: num_reqs + 1].tolist(),
-            seq_lens=cam.seq_lens_cpu[:num_reqs].tolist(),
+            max_query_len=cam.max_query_len,
+            max_seq_len=cam.max_seq_len,
+            query_start_loc=cam.query_start_loc[: num_reqs + 1],
+            seq_lens=cam.seq_lens[:num_reqs],
             block_table=cam.block_table_tensor[:num_reqs],
+            query_start_loc_host=cam.query_start_loc_cpu[: num_reqs + 1].tolist() if on_host else None,
+            seq_lens_host=cam.seq_lens_cpu[:num_reqs].tolist() if on_host else None,
         )
 
 
@@ -169,12 +181,17 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             raise NotImplementedError("duo attention does not fuse output quantization")
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        n = attn_metadata.num_actual_tokens
+        m = attn_metadata
+        n = m.num_actual_tokens
         heads = self._layer_heads(layer, kv_cache)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        duo_attention(query[:n].view(n, self.num_heads, self.head_size),
-                      key[:n].view(n, self.num_kv_heads, self.head_size),
-                      value[:n].view(n, self.num_kv_heads, self.head_size),
-                      kv_cache, heads, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                      attn_metadata.block_table, self.scale, out)
+        if kv_cache.is_cuda and not FORCE_TORCH_PATH:
+            duo_attention_triton(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
+                                 out, m.max_query_len, m.max_seq_len)
+        else:
+            duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
+                          self.scale, out)
         return output

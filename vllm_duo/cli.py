@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from vllm_duo import pattern_report
+from vllm_duo import pattern_report, zigzag
 from vllm_duo.pattern import PatternError
 
 # A command is a function that adds its parser to the `vllm-duo` subparsers and sets `handler`: a function of the
@@ -59,6 +59,19 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     validate.add_argument("pattern", metavar="PATTERN", help=pattern_help)
     validate.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder with config.json")
     validate.set_defaults(handler=lambda args: pattern_report.validate(args.pattern, args.model))
+
+    layers = actions.add_parser(
+        "zigzag", help="make a layer-exclusive (ZigzagAttention) pattern: each layer all-retrieval or all-streaming",
+        description="Choose round(s x L) streaming layers by the ZigzagAttention transport cost from the head-level "
+                    "mask at sparsity s (a retrieval head turned streaming costs its gate, a streaming head turned "
+                    "retrieval omega x its gate) and write the pattern with that mask, keeping the gates.")
+    layers.add_argument("pattern", metavar="PATTERN", help=pattern_help + " (with gates)")
+    layers.add_argument("--sparsity", type=float, required=True, help="fraction of streaming layers, e.g. 0.5")
+    layers.add_argument("--omega", type=float, default=zigzag.DEFAULT_OMEGA,
+                        help="cost weight of turning a streaming head into retrieval (default 0.1)")
+    layers.add_argument("-o", "--output", required=True, metavar="OUT.json")
+    layers.set_defaults(handler=lambda args: zigzag.write_zigzag(args.pattern, args.output, args.sparsity,
+                                                                 args.omega))
 
 
 _COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands,)

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End to end on the GPU: the Triton path equals the PyTorch path, and all-retrieval duo equals FLASH_ATTN."""
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+GENERATE = r"""
+import json, os, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+sys.path.insert(0, "tests")
+from engines import text_of_tokens
+from transformers import AutoTokenizer
+model, backend, duo = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+kw = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=True, dtype="bfloat16",
+          max_num_batched_tokens=256)
+if backend:
+    kw["attention_backend"] = backend
+if duo:
+    kw["additional_config"] = {"duo": duo}
+tok = AutoTokenizer.from_pretrained(model)
+prompts = [text_of_tokens(tok, n, seed=n) for n in (20, 300, 900, 2000)]
+outs = LLM(**kw).generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                          SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def generate(model, backend, duo, **env):
+    """Each engine in its own process: a clean CUDA context and the env var read at import."""
+    import json
+
+    result = subprocess.run([sys.executable, "-c", GENERATE, model, backend or "", json.dumps(duo)],
+                            env=dict(os.environ, **env), capture_output=True, text=True, timeout=600)
+    lines = [l for l in result.stdout.splitlines() if l.startswith("TOKENS ")]
+    assert lines, result.stderr[-3000:]
+    return json.loads(lines[-1][len("TOKENS "):])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return os.environ.get("VLLM_DUO_GPU_MODEL", "/tmp/smol")
+
+
+def test_triton_path_equals_torch_path(model):
+    duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
+    assert generate(model, "duo", duo) == generate(model, "duo", duo, VLLM_DUO_ATTENTION="torch")
+
+
+def test_all_retrieval_equals_flash_attn(model):
+    duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.0}
+    assert generate(model, "duo", duo) == generate(model, "FLASH_ATTN", None)
