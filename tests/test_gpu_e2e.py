@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from engines import random_pattern
+
 pytestmark = pytest.mark.gpu
 
 GENERATE = r"""
@@ -47,11 +49,11 @@ def model():
     return os.environ.get("VLLM_DUO_GPU_MODEL", "/tmp/smol")
 
 
-def test_triton_path_equals_torch_path(model):
-    duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
+def test_triton_path_equals_torch_path(model, tmp_path):
+    duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
     assert generate(model, "duo", duo) == generate(model, "duo", duo, VLLM_DUO_ATTENTION="torch")
 
 
-def test_all_retrieval_equals_flash_attn(model):
-    duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.0}
+def test_all_retrieval_equals_flash_attn(model, tmp_path):
+    duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.0}
     assert generate(model, "duo", duo) == generate(model, "FLASH_ATTN", None)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after ../shared/gpu's install (vLLM 0.26 in /tmp/site): installs vllm-duo there,
+# then the named stages; logs and JSON go to $OUT. usage: bash benchmarks/gpu_run.sh STAGE...
+set -uo pipefail
+export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    tests) PYTHONSAFEPATH=1 timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
+    quick)  # prefill-heavy throughput, dense (FA3) vs duo 50%, via ../shared/gpu/bench.sh
+      duo='{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
+      bash /tmp/gpu-carry/bench.sh dense_16k 16000 512 32 17000
+      bash /tmp/gpu-carry/bench.sh duo50_16k 16000 512 32 17000 --attention-backend duo --additional-config "$duo" ;;
+    capacity)  # vLLM's startup figure at 131072 tokens per request
+      duo='{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
+      bash /tmp/gpu-carry/bench.sh dense_cap 128 16 4 131072
+      bash /tmp/gpu-carry/bench.sh duo50_cap 128 16 4 131072 --attention-backend duo --additional-config "$duo" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
