@@ -73,6 +73,35 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     layers.set_defaults(handler=lambda args: zigzag.write_zigzag(args.pattern, args.output, args.sparsity,
                                                                  args.omega))
 
+    score = actions.add_parser(
+        "score", help="score a model's KV heads on passkey prompts and write a pattern JSON",
+        description="Run a Hugging Face model on CPU over synthetic passkey prompts and write a pattern whose gates "
+                    "are each KV head's attention on the passkey outside the sink + recent window, divided by the "
+                    "largest; a first pattern without training.")
+    score.add_argument("--model", required=True, metavar="MODEL_DIR", help="Hugging Face model folder")
+    score.add_argument("-o", "--output", required=True, metavar="OUT.json")
+    score.add_argument("--samples", type=int, default=16, help="passkey prompts to average over (default 16)")
+    score.add_argument("--context-len", type=int, default=2048, help="tokens per prompt (default 2048)")
+    score.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
+    score.add_argument("--sink", type=int, default=64, help="sink tokens of streaming heads (default 64)")
+    score.add_argument("--recent", type=int, default=256, help="recent tokens of streaming heads (default 256)")
+    score.add_argument("--sparsity", type=float, default=0.5, help="default fraction of streaming heads (0.5)")
+    score.add_argument("--name", help="model name (default: the folder name)")
+    score.add_argument("--alias", action="append", default=[], dest="aliases", metavar="NAME",
+                       help="another name that finds this pattern, e.g. a Hugging Face repo id (repeatable)")
+    score.add_argument("--date", help="provenance date, YYYY-MM-DD (default: today)")
+    score.add_argument("--license", help="license of the model, e.g. Apache-2.0")
+    score.set_defaults(handler=_score)
+
+
+def _score(args: argparse.Namespace) -> str:
+    from vllm_duo import scoring  # imported here: it loads torch and transformers, which no other command needs
+
+    return scoring.write_scored_pattern(
+        args.model, args.output, name=args.name, aliases=args.aliases, num_samples=args.samples,
+        context_len=args.context_len, seed=args.seed, sink=args.sink, recent=args.recent, sparsity=args.sparsity,
+        date=args.date, license=args.license)
+
 
 _COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands,)
 

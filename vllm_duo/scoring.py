@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Head scoring without training: how much attention each KV head pays to a passkey outside its streaming window."""
+from __future__ import annotations
+
+import datetime
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config
+
+SOURCE = "vllm-duo scoring (vllm_duo/scoring.py)"
+NOTES = "first pattern by attention-mass scoring; to be replaced by a trained pattern (vllm-duo identify)"
+# The classic passkey test (Landmark Attention), as plain text without a chat template so the same prompt fits base
+# and instruct models.
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.")
+NEEDLE = "The pass key is {passkey}. Remember it. {passkey} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+# Stored gates are rounded so the JSON stays readable and float noise from another CPU or thread count does not
+# change the file; 1e-6 is far below the gaps that decide which heads are retrieval.
+_GATE_DECIMALS = 6
+_ATTENTION = "duo_scoring"
+
+# The haystack is drawn from these parts (12^4 sentences) rather than the classic "The grass is green. ..." repeated:
+# repeated text gives every token an exact copy one period back, which copy (induction) heads latch onto and which is
+# far from what the model was trained on. No part holds a digit, so the passkey is the only number in the prompt.
+_SUBJECTS = ("The old fisherman", "A young teacher", "The baker", "My neighbour", "The small dog", "A tired traveller",
+             "The farmer", "Her brother", "The children", "A quiet student", "The captain", "Our guide")
+_VERBS = ("walked to", "looked at", "painted", "cleaned", "talked about", "found", "visited", "carried",
+          "wrote about", "waited near", "forgot about", "dreamed of")
+_OBJECTS = ("the red barn", "a wooden boat", "the village market", "the garden", "an old map", "the river bank",
+            "a basket of apples", "the church tower", "the narrow bridge", "a letter from home", "the green hills",
+            "the empty station")
+_ENDINGS = ("in the morning", "after lunch", "before the rain", "on a windy day", "with great care",
+            "without a word", "at sunset", "during the winter", "for a long time", "once again", "by the lake",
+            "under the stars")
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    """One tokenized passkey prompt, teacher-forced: intro, haystack with the needle, question, answer."""
+
+    input_ids: list[int]
+    needle: range  # token positions of the needle sentence
+    question_start: int  # first token of the question; the scored queries run from here to the end
+    answer_start: int  # first token of the answer; generation starts here
+    passkey: str
+
+
+def filler_sentences(rng: random.Random) -> Iterator[str]:
+    """Endless varied haystack sentences, determined by `rng`."""
+    while True:
+        yield " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) + "."
+
+
+def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float, *, sink: int,
+                   recent: int) -> PasskeyPrompt:
+    """A prompt of at most `context_len` tokens with a 5-digit passkey at `depth` (0 = earliest, 1 = latest).
+
+    The needle goes between two haystack sentences, and only where a streaming head with `sink` + `recent`
+    cannot see it from any question or answer token: after the first `sink` tokens and more than `recent` tokens
+    before the question. `depth` picks among those places.
+    """
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    passkey = str(rng.randint(10000, 99999))
+    intro, needle = encode(INTRO), encode(" " + NEEDLE.format(passkey=passkey))
+    question, answer = encode(" " + QUESTION), encode(" " + passkey)
+    budget = context_len - len(intro) - len(needle) - len(question) - len(answer)
+    sentences, haystack_len = [], 0
+    for sentence in map(encode, (" " + text for text in filler_sentences(rng))):
+        if haystack_len + len(sentence) > budget:
+            break
+        sentences.append(sentence)
+        haystack_len += len(sentence)
+
+    question_start = len(intro) + haystack_len + len(needle)
+    starts = np.cumsum([len(intro)] + [len(sentence) for sentence in sentences])  # before sentence i, or at the end
+    places = [i for i, start in enumerate(starts) if sink <= start and start + len(needle) <= question_start - recent]
+    if not places:
+        raise PatternError(f"context length {context_len} leaves no place for a passkey outside sink {sink} + recent "
+                           f"{recent} tokens: raise the context length or lower sink/recent")
+    place = places[min(int(depth * len(places)), len(places) - 1)]
+    before = [token for sentence in sentences[:place] for token in sentence]
+    after = [token for sentence in sentences[place:] for token in sentence]
+    needle_start = len(intro) + len(before)
+    return PasskeyPrompt(
+        input_ids=intro + before + needle + after + question + answer,
+        needle=range(needle_start, needle_start + len(needle)),
+        question_start=question_start,
+        answer_start=question_start + len(question),
+        passkey=passkey,
+    )
+
+
+class _NeedleProbe:
+    """Measures, inside each layer's attention, the far-needle attention mass of the question and answer queries."""
+
+    def __init__(self, prompt: PasskeyPrompt, num_layers: int, num_kv_heads: int, sink: int, recent: int):
+        queries = torch.arange(prompt.question_start, len(prompt.input_ids))[:, None]
+        keys = torch.arange(len(prompt.input_ids))[None, :]
+        needle = torch.zeros(len(prompt.input_ids), dtype=torch.bool)
+        needle[prompt.needle.start:prompt.needle.stop] = True
+        self.queries = queries[:, 0]
+        self.causal = keys <= queries
+        # Keys that a streaming head drops for this query: not among the first `sink`, not among the last `recent`.
+        self.far_needle = needle[None, :] & (keys >= sink) & (keys <= queries - recent)
+        self.mass = np.zeros((num_layers, num_kv_heads))
+
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """query [1, H, T, D], key [1, KV, T, D] (before GQA expansion; query head h reads KV head h // (H / KV))."""
+        num_kv_heads = key.shape[1]
+        groups = query.shape[1] // num_kv_heads
+        selected = query[0, :, self.queries].reshape(num_kv_heads, groups * len(self.queries), -1)
+        logits = (selected @ key[0].transpose(1, 2) * scaling).view(num_kv_heads, groups, len(self.queries), -1)
+        probs = logits.masked_fill(~self.causal, float("-inf")).softmax(dim=-1)
+        self.mass[layer] = (probs * self.far_needle).sum(dim=-1).mean(dim=(1, 2)).numpy()
+
+
+def _scoring_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, duo_probe=None,
+                       **kwargs):
+    """SDPA attention that also lets `duo_probe` (passed through the model's forward kwargs) look at Q and K."""
+    if duo_probe is not None:
+        duo_probe.record(module.layer_idx, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def score_heads(model_dir: str | Path, num_samples: int = 16, context_len: int = 2048, seed: int = 0, *,
+                sink: int = 64, recent: int = 256, progress: bool = True) -> np.ndarray:
+    """Scores [num_layers, num_kv_heads] in [0, 1]: how much each KV head needs tokens a streaming head drops.
+
+    For `num_samples` passkey prompts of about `context_len` tokens (depths stratified over the allowed range),
+    a head's raw score is the attention mass that the queries of the question and answer tokens, averaged over
+    the query heads of its GQA group, put on needle tokens outside the sink + recent window. Raw scores are
+    averaged over prompts and divided by the largest. Runs the Hugging Face model on CPU in float32;
+    deterministic for a given seed.
+    """
+    if num_samples < 1 or context_len < 1 or sink < 0 or recent < 0:
+        raise PatternError(f"samples {num_samples}, context length {context_len}, sink {sink}, recent {recent}: "
+                           "samples and context length must be positive, sink and recent non-negative")
+    AttentionInterface.register(_ATTENTION, _scoring_attention)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=_ATTENTION)
+    model.eval()
+    config = model.config
+    rng = random.Random(seed)
+    depths = [(i + rng.random()) / num_samples for i in range(num_samples)]
+    total = np.zeros((config.num_hidden_layers, config.num_key_value_heads))
+    with torch.inference_mode():
+        for depth in tqdm(depths, desc="scoring heads", unit="prompt", disable=not progress):
+            prompt = passkey_prompt(tokenizer, context_len, rng, depth, sink=sink, recent=recent)
+            probe = _NeedleProbe(prompt, config.num_hidden_layers, config.num_key_value_heads, sink, recent)
+            model.base_model(torch.tensor([prompt.input_ids]), duo_probe=probe)  # no LM head: logits are unused
+            total += probe.mass
+    if total.max() <= 0.0:
+        raise PatternError(f"no head attends to the passkey outside sink {sink} + recent {recent} tokens: "
+                           "raise the context length or the number of samples")
+    return total / total.max()
+
+
+def score_pattern(model_dir: str | Path, *, name: str | None = None, aliases: Sequence[str] = (),
+                  num_samples: int = 16, context_len: int = 2048, seed: int = 0, sink: int = 64, recent: int = 256,
+                  sparsity: float = 0.5, date: str | None = None, license: str | None = None) -> HeadPattern:
+    """A HeadPattern whose gates are score_heads' scores; `name` defaults to the model folder's name."""
+    if not 0.0 <= sparsity <= 1.0:  # checked before minutes of scoring, not after
+        raise PatternError(f"sparsity {sparsity} is outside [0, 1]: pass the fraction of streaming heads, e.g. 0.5")
+    shape = read_hf_config(model_dir)
+    scores = score_heads(model_dir, num_samples, context_len, seed, sink=sink, recent=recent)
+    method = (f"attention-mass scoring on synthetic passkey retrieval: per KV head, the mean attention of the "
+              f"question and answer queries (its GQA group's query heads averaged) on the needle tokens outside "
+              f"sink {sink} + recent {recent}, over {num_samples} prompts of up to {context_len} tokens (seed {seed}; "
+              "one 5-digit passkey per prompt at a stratified random depth; varied filler sentences), divided by "
+              "the largest head's score")
+    data = {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": name or Path(model_dir).resolve().name, "aliases": list(aliases),
+                  "architecture": shape.architecture, "num_layers": shape.num_layers,
+                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
+        "gates": np.round(scores, _GATE_DECIMALS).tolist(),
+        "sparsity": sparsity,
+        "sink": sink,
+        "recent": recent,
+        "provenance": {"source": SOURCE, "method": method, "date": date or datetime.date.today().isoformat(),
+                       "license": license, "notes": NOTES},
+    }
+    return HeadPattern.model_validate(data)
+
+
+def write_scored_pattern(model_dir: str, out: str, **options) -> str:
+    """Scores the model's heads, writes the pattern JSON to `out` and returns a one-line summary.
+
+    `options` are those of score_pattern (name, aliases, num_samples, context_len, seed, ...).
+    """
+    pattern = score_pattern(model_dir, **options)
+    pattern.save(out)
+    counts = pattern.retrieval_counts()
+    return (f"wrote {out}: {pattern.model.num_layers} layers x {pattern.model.num_kv_heads} KV heads, "
+            f"{sum(counts)} retrieval at sparsity {pattern.sparsity:g}")
