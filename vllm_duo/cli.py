@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from vllm_duo import pattern_report, zigzag
+from vllm_duo import bench, pattern_report, zigzag
 from vllm_duo.pattern import PatternError
 
 # A command is a function that adds its parser to the `vllm-duo` subparsers and sets `handler`: a function of the
@@ -103,7 +103,56 @@ def _score(args: argparse.Namespace) -> str:
         date=args.date, license=args.license)
 
 
-_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands,)
+def _add_bench_command(commands: _Subparsers) -> None:
+    parser = commands.add_parser(
+        "bench", help="vLLM's own benchmarks, dense vs duo side by side, into results.json and results.md",
+        description="Run vLLM's `bench throughput`, `bench latency` and `bench serve` (against a server started "
+                    "here) for vLLM's default dense backend and for duo at each sparsity, same model, settings and "
+                    "machine, one subprocess per run with its log kept; write results.json, results.md (tables "
+                    "with duo/dense ratios and a physical-limit column) and plots. `all` = every workload but the "
+                    "tiny CPU checks.",
+        epilog="workloads: " + "; ".join(f"{name}: {w.describe()}" for name, w in bench.WORKLOADS.items()))
+    parser.add_argument("--model", help="model folder or id (default for the tiny workloads: the bundled "
+                                        "SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer", help="tokenizer folder or id (default: the model's)")
+    parser.add_argument("--load-format", default="dummy",
+                        help="vLLM --load-format (default dummy: random weights, real shapes)")
+    parser.add_argument("--pattern", help="duo head pattern: a file, bundled name or reference folder "
+                                          "(default: found by the model's name)")
+    parser.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.5, 0.75], metavar="S",
+                        help="duo sparsities to run (default 0.25 0.5 0.75)")
+    parser.add_argument("--capacity-sparsity", type=float, nargs="+", metavar="S",
+                        help="sparsities of the capacity workload only (default: --sparsity); its runs only start "
+                             "vLLM, so sweep here")
+    parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
+    parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
+    parser.add_argument("--workloads", nargs="+", default=["all"], metavar="NAME",
+                        help=f"workloads to run (default all): {', '.join(bench.WORKLOADS)}")
+    parser.add_argument("--max-model-len", nargs="+", default=[], metavar="NAME=N",
+                        help="max_model_len of a workload, e.g. decode_heavy=20000")
+    parser.add_argument("--set", nargs="+", default=[], metavar="NAME.FIELD=VALUE",
+                        help="change a workload field, e.g. decode_heavy.num_prompts=64 "
+                             "serve_16k.request_rates=1,2,4 tpot_64k.num_iters=3")
+    parser.add_argument("--extra-dense-backends", nargs="*", default=[], metavar="BACKEND",
+                        help="more dense baselines by vLLM --attention-backend name, e.g. FLASHINFER (skipped, "
+                             "with the reason, when not importable)")
+    parser.add_argument("--engine-args", metavar="'ARGS'",
+                        help="more vLLM engine arguments for every run, dense and duo alike, e.g. "
+                             "'--gpu-memory-utilization 0.9'")
+    parser.add_argument("--out", metavar="DIR",
+                        help="results folder (default benchmarks/results/<timestamp>-<device>); into a folder "
+                             "with a results.json the new runs are added, the same runs replaced")
+    parser.add_argument("--timeout", type=float, default=900, metavar="SECONDS",
+                        help="limit per run, a server's start included (default 900)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: rebuild results.md and plots from the results in --out and --merge")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="DIR",
+                        help="add the runs of other results folders, e.g. parts of one suite run in several calls")
+    parser.set_defaults(handler=bench.command)
+
+
+_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands, _add_bench_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         output = args.handler(args)
-    except PatternError as error:
+    except (PatternError, bench.BenchError) as error:
         parser.exit(2, f"vllm-duo: error: {error}\n")
     except OSError as error:
         problem = f"{error.strerror}: {error.filename}" if error.filename else str(error)

@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm-duo bench`: the tiny workload end to end on the CPU stack (dense and duo through vLLM's own `bench
+throughput`), plus the parts that need no vLLM run: commands, log parsing, overrides, failures, the report."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engines import random_pattern
+from vllm_duo import bench, bench_report, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 14336,
+            "vocab": 128256}
+
+
+def smollm2_pattern(tmp_path) -> str:
+    if (ROOT / "patterns" / "SmolLM2-135M-Instruct.json").exists():
+        return "SmolLM2-135M-Instruct"
+    return random_pattern(tmp_path / "pattern.json")
+
+
+@pytest.fixture
+def subprocess_env(monkeypatch):
+    """What the bench's vLLM subprocesses inherit: a 1 GiB CPU KV cache, no hub access, vLLM's own defaults."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # conftest's, for in-process engines
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest's, for the kernel tests
+
+
+def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    out = tmp_path / "results"
+    start = time.monotonic()
+    code = cli.main(["bench", "--workloads", "tiny", "--model", smollm2_dir, "--sparsity", "0.5",
+                     "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
+    elapsed = time.monotonic() - start
+    assert code == 0
+
+    results = json.loads((out / "results.json").read_text())
+    runs = {run["backend"]: run for run in results["runs"]}
+    assert set(runs) == {"dense", "duo s=0.5"}
+    for run in runs.values():
+        assert run["status"] == "ok", run.get("log_tail")
+        assert run["metrics"]["output_tok_s"] > 0 and run["metrics"]["total_tok_s"] > 0
+        assert run["kv_cache_tokens"] > 0 and run["max_concurrency"] > 0 and run["max_concurrency_len"] == 512
+        assert run["device"] and run["vllm_version"] and run["torch_version"] and run["vllm_duo_commit"]
+    duo_run, dense_run = runs["duo s=0.5"], runs["dense"]
+    assert "--attention-backend duo" in duo_run["command"] and "--attention-backend" not in dense_run["command"]
+    assert "duo: pattern" in (out / duo_run["log"]).read_text()  # the plugin's own line: duo really ran
+    assert "duo:" not in (out / dense_run["log"]).read_text()
+    assert duo_run["retrieval_ratio"] == pytest.approx(0.5, abs=0.1)
+
+    report = (out / "results.md").read_text()
+    assert "## tiny" in report and "| duo s=0.5 |" in report and "duo/dense" in report
+    assert "(plots/maximum_concurrency_vs_sparsity.png)" in report
+    assert (out / "plots" / "maximum_concurrency_vs_sparsity.png").stat().st_size > 0
+    assert elapsed < 180, f"the tiny bench took {elapsed:.0f} s"
+
+
+def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
+    assert cli.main(["bench", "--model", "/models/llama8b", "--tokenizer", "/models/smol", "--sparsity", "0.5",
+                     "--capacity-sparsity", "0.25", "0.5", "--pattern", "Meta-Llama-3.1-8B-Instruct",
+                     "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    commands = [line for line in printed.splitlines() if not line.startswith("#")]
+    # capacity 3 + (decode, prefill, short) 2 each + tpot 4 + ttft 2 + serve 2 x (server + 2 rates)
+    assert len(commands) == 3 + 6 + 4 + 2 + 6
+    assert not (tmp_path / "dry").exists()
+    assert sum("bench throughput" in c for c in commands) == 9
+    assert sum("bench latency" in c for c in commands) == 6
+    assert sum("bench serve" in c for c in commands) == 4
+    assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2
+    duo_config = '{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
+    assert sum(duo_config in c for c in commands) == 1 + 3 + 2 + 1 + 1  # capacity, throughput x3, tpot x2, ttft, server
+    ttft = next(c for c in commands if "ttft_128k__duo" in c)
+    for flag in ("--input-len 131000", "--output-len 1", "--batch-size 1", "--max-model-len 131072",
+                 "--load-format dummy", "--tokenizer /models/smol"):
+        assert flag in ttft
+
+
+def test_startup_figures_from_a_log():
+    log = "\n".join([
+        "(EngineCore pid=1) INFO [core.py:121] Initializing a V1 LLM engine (v0.26.0) with config: dtype=torch.float16",
+        "(EngineCore pid=1) INFO [platforms.py:41] duo: pattern bundled X; retrieval ratio 0.469 (sparsity 0.5)",
+        "(EngineCore pid=1) INFO [kv_cache_utils.py:1] GPU KV cache size: 457,288 tokens",
+        "(EngineCore pid=1) INFO [kv_cache_utils.py:2] Maximum concurrency for 17,000 tokens per request: 26.90x",
+        "Throughput: 0.93 requests/s, 15877.00 total tokens/s, 492.30 output tokens/s"])
+    figures = bench.startup_figures(log)
+    assert figures["kv_cache_tokens"] == 457288 and figures["max_concurrency"] == 26.9
+    assert figures["max_concurrency_len"] == 17000 and figures["retrieval_ratio"] == 0.469
+    assert figures["dtype"] == "float16" and figures["duo_log"][0].startswith("duo: pattern")
+    workload = bench.WORKLOADS["prefill_heavy"]
+    raw = {"elapsed_time": 34.0, "num_requests": 32, "total_num_tokens": 528384, "requests_per_second": 0.94,
+           "tokens_per_second": 15540.7}
+    assert bench.throughput_metrics(raw, log, workload)["output_tok_s"] == 492.3
+    assert bench.throughput_metrics(raw, "", workload)["output_tok_s"] == pytest.approx(32 * 512 / 34.0)
+
+
+def test_workload_overrides():
+    chosen = bench.apply_overrides(bench.parse_workloads(["short", "serve_16k"]), ["short=3000"],
+                                   ["short.num_prompts=64", "serve_16k.request_rates=1,inf"])
+    assert chosen[0].max_model_len == 3000 and chosen[0].num_prompts == 64
+    assert chosen[1].request_rates == (1.0, float("inf"))
+    assert [w.name for w in bench.parse_workloads(["all"])] == list(bench.GPU_WORKLOADS)
+    for bad in (["short.kind=latency"], ["short.num_prompts=many"], ["decode_heavy.num_prompts=2"]):
+        with pytest.raises(bench.BenchError):
+            bench.apply_overrides(bench.parse_workloads(["short"]), [], bad)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["bench", "--workloads", "nope", "--dry-run"])
+    assert stopped.value.code == 2
+
+
+def test_failed_runs_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch, subprocess_env):
+    monkeypatch.setattr(bench, "vllm_cli", lambda: [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+    out = tmp_path / "results"
+    assert cli.main(["bench", "--workloads", "tiny", "--model", str(tmp_path), "--sparsity", "0.25", "0.5",
+                     "--out", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["backend"] for r in runs] == ["dense", "duo s=0.25", "duo s=0.5"]
+    assert all(r["status"] == "failed" and r["returncode"] == 3 and "boom" in r["log_tail"] for r in runs)
+    report = (out / "results.md").read_text()
+    assert "## Failed runs" in report and "**failed**" in report
+
+
+def _run(workload, backend, phase="main", **fields):
+    spec = bench.WORKLOADS[workload]
+    run = {"workload": workload, "kind": spec.kind, "backend": backend, "phase": phase, "status": "ok",
+           "attention_backend": "duo" if backend.startswith("duo") else None,
+           "sparsity": 0.5 if backend.startswith("duo") else None, "input_len": spec.input_len,
+           "output_len": 1 if phase == "prefill" else spec.output_len, "num_prompts": spec.num_prompts,
+           "batch_size": spec.batch_size, "max_model_len": spec.max_model_len, "command": f"vllm bench {workload}",
+           "log": f"logs/{workload}.log", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "wall_s": 60.0}
+    if backend.startswith("duo"):
+        fields = {"retrieval_ratio": 0.5, "sink": 64, "recent": 256, **fields}
+    return {**run, **fields}
+
+
+def test_report_tables_limits_and_plots(tmp_path):
+    dense_cap, duo_cap = {"max_concurrency": 3.49, "max_concurrency_len": 131072}, {"max_concurrency": 6.9,
+                                                                                   "max_concurrency_len": 131072}
+    runs = [
+        _run("capacity", "dense", **dense_cap), _run("capacity", "duo s=0.5", **duo_cap),
+        _run("prefill_heavy", "dense", metrics={"output_tok_s": 492.0, "total_tok_s": 15877.0, "requests_per_s": 1},
+             max_concurrency=26.9, max_concurrency_len=17000),
+        _run("prefill_heavy", "duo s=0.5", metrics={"output_tok_s": 600.0, "total_tok_s": 19000.0, "requests_per_s": 1},
+             max_concurrency=53.0, max_concurrency_len=17000),
+        _run("short", "dense", metrics={"output_tok_s": 2846.0, "total_tok_s": 25076.0, "requests_per_s": 11}),
+        _run("short", "duo s=0.5", status="failed", error="exit code 1", log_tail="Traceback ... boom"),
+        _run("tpot_64k", "dense", metrics={"avg_latency_s": 10.0}),
+        _run("tpot_64k", "dense", "prefill", metrics={"avg_latency_s": 8.0}),
+        _run("tpot_64k", "duo s=0.5", metrics={"avg_latency_s": 7.0}),
+        _run("tpot_64k", "duo s=0.5", "prefill", metrics={"avg_latency_s": 5.8}),
+        _run("serve_16k", "dense", "rate=1", metrics={"output_tok_s": 300.0, "p99_ttft_ms": 900.0,
+                                                      "mean_tpot_ms": 40.0, "completed": 24, "failed": 0}),
+        _run("serve_16k", "duo s=0.5", "rate=1", metrics={"output_tok_s": 310.0, "p99_ttft_ms": 700.0,
+                                                          "mean_tpot_ms": 30.0, "completed": 24, "failed": 0}),
+    ]
+    results = {"device": "NVIDIA H100 80GB HBM3", "model_shape": LLAMA_8B, "runs": runs,
+               "workloads": {name: dict(vars(bench.WORKLOADS[name])) for name in
+                             ("capacity", "prefill_heavy", "short", "tpot_64k", "serve_16k")}}
+    report = bench_report.markdown(results, tmp_path, plots=True)
+
+    # capacity: 131072 / (0.5 * 131072 + 0.5 * 320) = 1.995x is the limit; 6.9 / 3.49 = 1.98x measured
+    assert "| duo s=0.5 | - | 6.90x | 1.98x | 2.00x | 99% |" in report
+    # tpot: (10 - 8) / 127 = 15.75 ms dense, (7 - 5.8) / 127 = 9.45 ms duo
+    assert "| 15.75 |" in report and "| 9.45 | 0.60x |" in report
+    assert "**failed**" in report and "Traceback ... boom" in report
+    assert "| duo s=0.5 | 1 | 310.0 | 700 |" in report
+    for name in ("output_throughput_vs_context_length.png", "time_per_output_token_vs_context_length.png",
+                 "maximum_concurrency_vs_sparsity.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 0
+
+    shape = bench_report.ModelShape(**LLAMA_8B)
+    assert shape.matmul_params == pytest.approx(7.5e9, rel=0.01)
+    dense, duo = (bench_report.Roofline(shape, 989e12, 3.35e12),
+                  bench_report.Roofline(shape, 989e12, 3.35e12, retrieval=0.5, window=320))
+    assert duo.prefill_s(512) == pytest.approx(dense.prefill_s(512), rel=0.02)  # all inside the window
+    assert dense.step_s(32, 32768) / duo.step_s(32, 32768) > 1.5  # KV-bound decode: half the KV read
