@@ -201,14 +201,14 @@ def bench_decode(fa, rows, out_json, batch=32, context=32768):
         t = ms(lambda: decode_attention(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out,
                                         splits))
         res[f"duo_decode_ms_splits{splits}"] = t
-        rows.append(("decode", f"duo attention, {splits} splits", t, duo_bytes / t / 1e9))
+        rows.append(("decode", f"duo attention, {splits} splits", t, duo_bytes / t / 1e6))
     t = ms(duo_step(auto))
     res["duo_step_ms"] = t
-    rows.append(("decode", f"duo step incl. cache writes ({auto} splits)", t, duo_bytes / t / 1e9))
+    rows.append(("decode", f"duo step incl. cache writes ({auto} splits)", t, duo_bytes / t / 1e6))
     try:
         graph_ms = triton.testing.do_bench_cudagraph(duo_step(auto), rep=100, return_mode="median")
         res["duo_step_cudagraph_ms"] = graph_ms
-        rows.append(("decode", "duo step, CUDA graph replay", graph_ms, duo_bytes / graph_ms / 1e9))
+        rows.append(("decode", "duo step, CUDA graph replay", graph_ms, duo_bytes / graph_ms / 1e6))
     except Exception as e:  # noqa: BLE001 - report and go on
         res["duo_step_cudagraph_error"] = repr(e)
         rows.append(("decode", f"duo step, CUDA graph FAILED: {e!r}"[:70], float("nan"), float("nan")))
@@ -223,7 +223,7 @@ def bench_decode(fa, rows, out_json, batch=32, context=32768):
 
         t = ms(fa_call(dense_k, dense_v, query, fa_out))
         res["fa_dense_ms"] = t
-        rows.append(("decode", f"FA{fa.version} dense, {NUM_KV_HEADS} KV heads", t, dense_bytes / t / 1e9))
+        rows.append(("decode", f"FA{fa.version} dense, {NUM_KV_HEADS} KV heads", t, dense_bytes / t / 1e6))
         rq = duo.heads.retrieval_q
         res["retrieval_heads_vs_fa_rel_err"] = rel_err(out[:, rq], fa_out[:, rq])
         k_half = dense_k[:, :, duo.heads.retrieval_kv].contiguous()
@@ -231,7 +231,7 @@ def bench_decode(fa, rows, out_json, batch=32, context=32768):
         q_half = query[:, rq].contiguous()
         t = ms(fa_call(k_half, v_half, q_half, torch.empty_like(q_half)))
         res["fa_retrieval_share_ms"] = t
-        rows.append(("decode", f"FA{fa.version} on the {R} retrieval KV heads only", t, half_bytes / t / 1e9))
+        rows.append(("decode", f"FA{fa.version} on the {R} retrieval KV heads only", t, half_bytes / t / 1e6))
         del k_half, v_half
     out_json["decode"] = res
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_duo.kernels.cache_write import write_retrieval_kv, write_streaming_kv
@@ -38,11 +40,51 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         max_num_splits = decode_num_splits(seq_lens.shape[0], heads.num_retrieval, max_seq_len, cache.device)
     write_retrieval_kv(key, value, cache, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
                        heads.streaming_blocks)
-    if max_query_len > 1:
+    flash = flash_attn_varlen() if cache.is_cuda else None
+    if max_query_len > 1 and flash is not None:
+        # Prefill: FlashAttention-3 is faster than our Triton tiles on the retrieval heads' paged KV
+        # (benchmarks/results); Triton keeps the Λ-masked streaming heads it cannot do.
+        if heads.num_retrieval:
+            retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, block_table, scale,
+                                      output, max_query_len, max_seq_len)
         prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                          min_query_len=2)
-    decode_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                     max_num_splits)
+                          streaming_only=True)
+    else:
+        if max_query_len > 1:
+            prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale,
+                              output, min_query_len=2)
+        decode_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
+                         max_num_splits)
     if heads.num_streaming:
         write_streaming_kv(key, value, cache, heads.streaming_kv, query_start_loc, seq_lens, block_table,
                            heads.sink, heads.recent)
+
+
+@functools.cache
+def flash_attn_varlen():
+    """vLLM's FlashAttention-3 varlen function on Hopper, else None (CPU builds, other GPUs)."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    except ImportError:
+        return None
+    if get_flash_attn_version() != 3:
+        return None
+    return functools.partial(flash_attn_varlen_func, fa_version=3)
+
+
+def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
+                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                              scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int) -> None:
+    """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
+
+    `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and the
+    retrieval pages start at column E of the block table; the query heads are gathered and the
+    result scattered back, since FlashAttention wants them contiguous.
+    """
+    R = heads.num_retrieval
+    out = flash(q=query[:, heads.retrieval_q], k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
+                cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
+                max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
+                block_table=block_table[:, heads.streaming_blocks:])
+    output[:, heads.retrieval_q] = out.to(output.dtype)

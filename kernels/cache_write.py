@@ -57,7 +57,7 @@ def ring_rows(table_row_ptr, pos, mask, head, num_streaming, page_heads, sink, r
     return block * stride_block + (cell // page_heads) * stride_row + (cell % page_heads) * stride_head
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "streaming_blocks", "page_heads", "sink", "recent"])
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
                      num_reqs, num_heads, streaming_blocks, page_heads, sink, recent,
                      stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64, stride_vh: tl.int64,

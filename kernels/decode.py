@@ -27,7 +27,7 @@ def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPL
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "streaming_blocks", "page_heads", "sink", "recent"])
 def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
                    num_retrieval, num_streaming, streaming_blocks, page_heads, sink, recent,
@@ -92,7 +92,7 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_p
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_retrieval"])
 def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_start_loc_ptr, seq_lens_ptr,
                   num_retrieval, stride_ot: tl.int64, stride_oh: tl.int64,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -128,7 +128,8 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = triton.cdiv(8 * sms, max(num_reqs * num_retrieval, 1))
-    return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), 64))
+    # a power of two: MAX_SPLITS is a compile-time constant, so at most 7 variants ever compile
+    return triton.next_power_of_2(max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), 64)))
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,

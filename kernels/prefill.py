@@ -128,20 +128,22 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, c
     return m_i, l_i, acc
 
 
-@triton.jit
+# Batch-dependent ints are not specialized: each new value class would compile a new kernel mid-serving.
+@triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "streaming_blocks",
+                               "page_heads", "sink", "recent", "min_query_len", "head_offset"])
 def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
                     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
                     num_reqs, num_tiles, num_retrieval, num_streaming, streaming_blocks, page_heads, sink, recent,
-                    min_query_len,
+                    min_query_len, head_offset,
                     stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
                     stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                     stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                     stride_ch: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Grid (query tiles, R + S): retrieval KV heads first, then streaming ones."""
+    """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones."""
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a prompt have the most keys: start them first
-    head = tl.program_id(1)
+    head = tl.program_id(1) + head_offset
     req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
@@ -197,7 +199,8 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                       heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, scale: float, output: torch.Tensor, min_query_len: int = 1) -> None:
+                      block_table: torch.Tensor, scale: float, output: torch.Tensor, min_query_len: int = 1,
+                      streaming_only: bool = False) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
     The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
@@ -210,13 +213,15 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         min_query_len: 2 when decode.py serves the single-token requests.
+        streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
     """
     check_tokens(cache, query, key, value, output)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)
     if heads.num_streaming and heads.recent < 1:
         raise ValueError(f"recent must be >= 1, got {heads.recent}")
     num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
-    num_heads = heads.num_retrieval + heads.num_streaming
+    head_offset = heads.num_retrieval if streaming_only else 0
+    num_heads = heads.num_retrieval + heads.num_streaming - head_offset
     if num_tokens == 0 or num_reqs == 0 or num_heads == 0:
         return
     head_dim, G = cache.shape[-1], heads.group_size
@@ -228,7 +233,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         query, key, value, cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
         block_table, scale * LOG2E,
         num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.streaming_blocks, cache.shape[3],
-        heads.sink, heads.recent, min_query_len,
+        heads.sink, heads.recent, min_query_len, head_offset,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),

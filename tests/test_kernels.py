@@ -206,6 +206,20 @@ def test_prefill_kernel(name):
     assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_prefill_kernel_streaming_only(name):
+    """With the retrieval heads left to FlashAttention, the kernel writes the streaming heads and nothing else."""
+    case = make_case(PRESETS[name])
+    ref, _ = case.reference()
+    cache, out = case.cache.clone(), case.poisoned_output()
+    prefill_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                      case.scale, out, streaming_only=True)
+    streaming_q = case.heads.streaming_q
+    if streaming_q.numel():
+        assert_close(out[:, streaming_q], ref[:, streaming_q], torch.float32)
+    assert out[:, case.heads.retrieval_q].isnan().all()
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", PRESETS)
 def test_decode_kernel(name, splits):
