@@ -28,8 +28,11 @@ if duo:
 tok = AutoTokenizer.from_pretrained(model)
 prompts = [text_of_tokens(tok, n, seed=n) for n in (20, 300, 900, 2000)]
 outs = LLM(**kw).generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                          SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+                          SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)
+gaps = [[(lambda v: v[0] - v[1])(sorted((l.logprob for l in step.values()), reverse=True)) for step in o.outputs[0].logprobs]
+        for o in outs]
 print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+print("GAPS", json.dumps(gaps))
 """
 
 
@@ -39,9 +42,10 @@ def generate(model, backend, duo, **env):
 
     result = subprocess.run([sys.executable, "-c", GENERATE, model, backend or "", json.dumps(duo)],
                             env=dict(os.environ, **env), capture_output=True, text=True, timeout=600)
-    lines = [l for l in result.stdout.splitlines() if l.startswith("TOKENS ")]
-    assert lines, result.stderr[-3000:]
-    return json.loads(lines[-1][len("TOKENS "):])
+    found = {l.split(" ", 1)[0]: json.loads(l.split(" ", 1)[1]) for l in result.stdout.splitlines()
+             if l.startswith(("TOKENS ", "GAPS "))}
+    assert "TOKENS" in found, result.stderr[-3000:]
+    return found["TOKENS"], found["GAPS"]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +53,23 @@ def model():
     return os.environ.get("VLLM_DUO_GPU_MODEL", "/tmp/smol")
 
 
+NEAR_TIE = 0.05  # nats between the top two tokens: bf16 rounding order may pick either
+
+
+def assert_same_greedy(got, expected):
+    """Token-identical, except that a sequence may part ways at a near-tie of the expected run."""
+    (got_tokens, _), (want_tokens, want_gaps) = got, expected
+    for seq, (a, b) in enumerate(zip(got_tokens, want_tokens)):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is not None:
+            assert want_gaps[seq][first] < NEAR_TIE, f"prompt {seq} differs at token {first}, not a near-tie"
+
+
 def test_triton_path_equals_torch_path(model, tmp_path):
     duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
-    assert generate(model, "duo", duo) == generate(model, "duo", duo, VLLM_DUO_ATTENTION="torch")
+    assert_same_greedy(generate(model, "duo", duo), generate(model, "duo", duo, VLLM_DUO_ATTENTION="torch"))
 
 
 def test_all_retrieval_equals_flash_attn(model, tmp_path):
     duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.0}
-    assert generate(model, "duo", duo) == generate(model, "FLASH_ATTN", None)
+    assert_same_greedy(generate(model, "duo", duo), generate(model, "FLASH_ATTN", None))
