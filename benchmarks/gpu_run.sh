@@ -4,11 +4,24 @@
 set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=/tmp/duo-work; mkdir -p $WORK   # many files: each stage tars its folder into $OUT (8 files come back)
+bench() {  # bench NAME WORKLOADS... : vllm-duo bench, dense vs duo, Llama-3.1-8B shape with dummy weights
+  local name=$1; shift
+  timeout 590 python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
+    --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5 --timeout 420 --out $WORK/$name "$@" 2>&1 | tail -30
+  tar czf "$OUT/$name.tgz" -C $WORK "$name"
+}
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) PYTHONSAFEPATH=1 timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    kernel_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
+    e2e_tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpu_e2e_tests.log" | tail -15 ;;
+    bench1) bench bench-1 --workloads capacity short --capacity-sparsity 0.25 0.5 0.75 ;;
+    bench2) bench bench-2 --workloads prefill_heavy decode_heavy ;;
+    bench3) bench bench-3 --workloads ttft_128k tpot_64k ;;
+    bench4) bench bench-4 --workloads serve_16k ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     quick)  # prefill-heavy throughput, dense (FA3) vs duo 50%, via ../shared/gpu/bench.sh
       duo='{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
