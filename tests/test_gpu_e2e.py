@@ -53,7 +53,9 @@ def model():
     return os.environ.get("VLLM_DUO_GPU_MODEL", "/tmp/smol")
 
 
-NEAR_TIE = 0.05  # nats between the top two tokens: bf16 rounding order may pick either
+# Logits come out of a bf16 lm_head: near 20 their resolution is 0.125, so the top two tokens of a
+# run can be 1-4 bf16 steps apart by rounding order alone (the first H100 run parted at a 0.25 gap).
+NEAR_TIE = 0.5
 
 
 def assert_same_greedy(got, expected):
