@@ -15,6 +15,15 @@ from vllm_duo.pattern import HeadPattern, PatternError, resolve_pattern
 ADDITIONAL_CONFIG_KEY = "duo"
 
 
+class DuoConfigError(Exception):
+    """Bad duo settings found while vLLM builds its config; the message is one line naming the problem and the fix.
+
+    Deliberately not a ValueError: vLLM's VllmConfig is a pydantic dataclass, and pydantic folds a ValueError
+    raised during its validation into a multi-line ValidationError. This one passes through unchanged, so a
+    server's last line of stderr is `vllm_duo.config.DuoConfigError: <message>`.
+    """
+
+
 class DuoSettings(BaseModel):
     """What a user may put under `--additional-config '{"duo": {...}}'`.
 
@@ -88,6 +97,29 @@ class DuoPlan:
     def retrieval_ratio(self) -> float:
         return float(self.retrieval_mask.mean())
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> tuple[int, int]:
+        """KV bytes per token of context: dense (all L * H heads) and duo (the retrieval heads only)."""
+        per_head = 2 * self.shape.head_dim * dtype_bytes  # K and V
+        return self.retrieval_mask.size * per_head, int(self.retrieval_mask.sum()) * per_head
+
+    def ring_bytes(self, dtype_bytes: int) -> int:
+        """KV bytes of one request's streaming ring: sink + recent tokens of every streaming head."""
+        return (self.sink + self.recent) * int((~self.retrieval_mask).sum()) * 2 * self.shape.head_dim * dtype_bytes
+
+    def capacity_ratio(self, num_tokens: int, dtype_bytes: int) -> float:
+        """Requests of `num_tokens` tokens that fit in a KV cache, duo / dense, ideally (no page padding)."""
+        dense, duo = self.kv_bytes_per_token(dtype_bytes)
+        return dense * num_tokens / (duo * num_tokens + self.ring_bytes(dtype_bytes))
+
+    def paged_capacity_ratio(self, num_tokens: int, dtype_bytes: int, block_size: int) -> float:
+        """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts."""
+        from vllm_duo.kv_cache import plan_page_layout
+
+        layout = plan_page_layout(self.retrieval_counts, self.shape.num_kv_heads, self.sink, self.recent, block_size,
+                                  num_tokens)
+        paged = layout.bytes_per_request(num_tokens, block_size, self.shape.head_dim, dtype_bytes)
+        return self.kv_bytes_per_token(dtype_bytes)[0] * num_tokens / paged
+
     def summary(self) -> str:
         return (
             f"duo: pattern {self.pattern_source}; retrieval ratio {self.retrieval_ratio:.3f} "
@@ -95,10 +127,31 @@ class DuoPlan:
             f"retrieval heads per layer {self.retrieval_counts}"
         )
 
+    def memory_summary(self, max_model_len: int, dtype_bytes: int, block_size: int) -> str:
+        dense, duo = self.kv_bytes_per_token(dtype_bytes)
+        return (
+            f"duo: KV per token dense {_size(dense)} vs duo {_size(duo)} + {_size(self.ring_bytes(dtype_bytes))} "
+            f"streaming ring per request ({dtype_bytes}-byte KV); expected capacity at max_model_len {max_model_len}: "
+            f"{self.capacity_ratio(max_model_len, dtype_bytes):.2f}x dense ideally, "
+            f"{self.paged_capacity_ratio(max_model_len, dtype_bytes, block_size):.2f}x in duo's "
+            f"{block_size}-token pages (what vLLM's Maximum concurrency counts)"
+        )
+
+
+def _size(num_bytes: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            break
+        num_bytes /= 1024
+    else:
+        unit = "GiB"
+    return f"{num_bytes:.4g} {unit}"
+
 
 def build_plan(settings: DuoSettings, pattern: HeadPattern, source: str, shape: ModelShape) -> DuoPlan:
     """Check the pattern against the model and binarize it at the chosen sparsity."""
-    pattern.check_model(shape.architecture, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    pattern.check_model(shape.architecture, shape.num_layers, shape.num_kv_heads, shape.head_dim, model_name=shape.name)
     sparsity = pattern.sparsity if settings.sparsity is None else settings.sparsity
     sink = pattern.sink if settings.sink is None else settings.sink
     recent = pattern.recent if settings.recent is None else settings.recent

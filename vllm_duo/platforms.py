@@ -25,11 +25,17 @@ class DuoPlatformMixin:
 
         if not is_duo(vllm_config.attention_config.backend):
             return
-        from vllm_duo.config import plan_from_vllm_config
+        from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 
-        plan = plan_from_vllm_config(vllm_config)
+        from vllm_duo.config import DuoConfigError, plan_from_vllm_config
+        from vllm_duo.pattern import PatternError
+
+        try:
+            plan = plan_from_vllm_config(vllm_config)
+        except PatternError as error:  # a ValueError: re-raised so that pydantic does not wrap it (see DuoConfigError)
+            raise DuoConfigError(str(error)) from None
         if vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("duo runs with --tensor-parallel-size 1 for now: drop the flag or use a dense backend")
+            raise DuoConfigError("duo runs with --tensor-parallel-size 1 for now: drop the flag or use a dense backend")
         cache_config = vllm_config.cache_config
         if cache_config.enable_prefix_caching:
             logger.info("duo: prefix caching disabled (streaming heads keep a per-request sink+recent ring "
@@ -39,6 +45,9 @@ class DuoPlatformMixin:
             # Small blocks keep the per-request streaming ring (whole blocks) small.
             cache_config.block_size = DUO_BLOCK_SIZE
         logger.info(plan.summary())
+        kv_dtype = kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, vllm_config.model_config)
+        logger.info(plan.memory_summary(vllm_config.model_config.max_model_len, get_dtype_size(kv_dtype),
+                                        cache_config.block_size))
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:

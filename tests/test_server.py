@@ -1,0 +1,431 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's OpenAI-compatible server with duo: conformance, load with preemption and disconnects, bad input.
+
+One real server on 127.0.0.1 (SmolLM2, float32, duo at sparsity 0.5) for the module, with a KV cache of
+NUM_BLOCKS 16-token blocks. Each request holds its streaming ring (60 blocks at this max_model_len) plus a block
+per 16 tokens, and `--long-prefill-token-threshold` admits a prompt with its first 64 tokens only: vLLM fills
+the cache with partly prefilled requests that then outgrow it, so it must preempt under load. Bad duo settings
+each get their own short-lived server process, which must exit non-zero before any model work with the problem
+named on its last line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines import text_of_tokens
+from vllm_duo.quickstart import free_port
+
+MODEL = "smollm2"
+DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
+MAX_MODEL_LEN = 2048
+NUM_BLOCKS = 1000  # about 15 short requests (60 ring blocks + one per 16 tokens each)
+MAX_NUM_SEQS = 16
+PREFILL_CHUNK = 64  # --long-prefill-token-threshold: prompt tokens per request and step
+NUM_CLIENTS = 64
+STARTUP_TIMEOUT = 300
+
+
+def server_command(model: str, port: int, duo: dict, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+            "--dtype", "float32", "--enforce-eager", "--attention-backend", "duo",
+            "--additional-config", json.dumps({"duo": duo}), *extra]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TRITON_INTERPRET"):  # conftest's, for in-process engines
+        env.pop(name, None)
+    return env
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop a server started by these tests (in its own session) and its engine processes."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # engine-core children left behind, if any
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def http_get_status(port: int, path: str) -> int | None:
+    try:
+        return http_get(port, path)[0]
+    except OSError:
+        return None
+
+
+def metric(port: int, name: str, **labels: str) -> float | None:
+    """Sum of a Prometheus metric on /metrics over its label sets that have `labels`; None when there are none."""
+    _, text = http_get(port, "/metrics")
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if (line.startswith(name + "{") or line.startswith(name + " "))
+              and all(f'{key}="{value}"' in line for key, value in labels.items())]
+    return sum(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad duo settings: one short-lived server process each (these run before the module's server starts).
+
+def _malformed_pattern(tmp_path: Path) -> dict:
+    path = tmp_path / "broken.json"
+    path.write_text('{"schema_version": 1, "gates": [')
+    return {"pattern": str(path)}
+
+
+BAD_SETTINGS = {  # case: (duo settings from tmp_path, what the last line of stderr must say after the class name)
+    "malformed pattern file": (
+        _malformed_pattern, r"pattern \S+broken\.json is not JSON .*: fix the file"),
+    "pattern of another model": (
+        lambda _: {"pattern": "Meta-Llama-3.1-8B-Instruct"},
+        r"pattern \S+Meta-Llama-3\.1-8B-Instruct\.json has 32 layers x 8 KV heads x head_dim 128 but model "
+        r"\S+SmolLM2-135M-Instruct \(LlamaForCausalLM\) has 30 x 3 x 64: use the pattern made for this model"),
+    "unknown duo key": (
+        lambda _: {**DUO, "sinks": 64},
+        r"bad --additional-config duo\.sinks: Extra inputs are not permitted .*allowed keys: "),
+    "negative sink": (
+        lambda _: {**DUO, "sink": -1},
+        r"bad --additional-config duo\.sink: Input should be greater than or equal to 0 \(got -1\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_bad_duo_settings_stop_the_server_with_one_clear_line(case, smollm2_dir, tmp_path):
+    make_settings, expected = BAD_SETTINGS[case]
+    command = server_command(smollm2_dir, free_port(), make_settings(tmp_path))
+    process = subprocess.Popen(command, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=180)
+    finally:
+        stop(process)
+    assert process.returncode not in (0, None)
+    last_line = err.strip().splitlines()[-1]
+    # vLLM prints the traceback of any startup error; the last line is the duo message, one line.
+    assert re.search(r"vllm_duo\.config\.DuoConfigError: " + expected, last_line), last_line
+    assert "Traceback" in err and "ValidationError" not in err  # not folded into pydantic's multi-line error
+    assert "Initializing a V1 LLM engine" not in out + err and "Loading weights" not in out + err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The module's server.
+
+@dataclass
+class Server:
+    port: int
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def client(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=600)
+
+    def async_client(self):
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = server_command(smollm2_dir, port, DUO, "--num-gpu-blocks-override", str(NUM_BLOCKS),
+                             "--max-num-seqs", str(MAX_NUM_SEQS), "--long-prefill-token-threshold", str(PREFILL_CHUNK),
+                             "--disable-uvicorn-access-log")
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, env=server_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    running = Server(port, process, log)
+    try:
+        deadline = time.time() + STARTUP_TIMEOUT
+        while http_get_status(port, "/health") != 200:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited with code {process.returncode}:\n{running.log_tail()}")
+            if time.time() > deadline:
+                pytest.fail(f"the server was not healthy after {STARTUP_TIMEOUT} s:\n{running.log_tail()}")
+            time.sleep(1)
+        yield running
+    finally:
+        stop(process)
+
+
+def assert_alive(server: Server) -> None:
+    assert server.process.poll() is None, f"the server stopped:\n{server.log_tail()}"
+    assert http_get_status(server.port, "/health") == 200
+
+
+def text_tokens(server: Server, text: str) -> list[int]:
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}/tokenize", method="POST",
+                                     data=json.dumps({"model": MODEL, "prompt": text}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["tokens"]
+
+
+def test_startup_log_states_duo_plan_and_memory(server):
+    log = server.log.read_text()
+    assert "duo: pattern bundled pattern SmolLM2-135M-Instruct; retrieval ratio 0.500" in log
+    # float32 KV: dense 2 * 30 layers * 3 heads * 64 * 4 bytes per token; duo keeps 45 of the 90 heads per token and
+    # (64 + 256) tokens of the other 45 per request. The paged figure is vLLM's "Maximum concurrency" ratio.
+    assert ("duo: KV per token dense 45 KiB vs duo 22.5 KiB + 7.031 MiB streaming ring per request (4-byte KV); "
+            "expected capacity at max_model_len 2048: 1.73x dense ideally, 1.13x in duo's 16-token pages") in log
+    assert "Overriding num_gpu_blocks=" in log and f"num_gpu_blocks_override={NUM_BLOCKS}" in log
+
+
+def test_models_health_and_metrics(server):
+    assert_alive(server)
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert getattr(models[0], "max_model_len", None) == MAX_MODEL_LEN
+    status, text = http_get(server.port, "/metrics")
+    assert status == 200
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:num_requests_running"):
+        assert re.search(rf"^{name}{{", text, re.M), f"{name} missing from /metrics"
+
+
+def test_completion_and_chat(server):
+    client = server.client()
+    first = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    (choice,) = first.choices
+    assert choice.text and choice.text == again.choices[0].text
+    assert choice.finish_reason in ("length", "stop") and 0 < first.usage.completion_tokens <= 8
+    assert first.usage.prompt_tokens == len(text_tokens(server, "The capital of France is"))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.object == "chat.completion" and 0 < chat.usage.completion_tokens <= 16
+
+
+def test_streaming_equals_non_streaming(server):
+    client = server.client()
+    prompt, params = "Once upon a time", dict(max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(model=MODEL, prompt=prompt, **params)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                            stream_options={"include_usage": True}, **params))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **params)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **params))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_and_seed(server):
+    client = server.client()
+    params = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, n=3, seed=1234,
+                  extra_body={"ignore_eos": True})
+    first, again = client.completions.create(**params), client.completions.create(**params)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2] and first.usage.completion_tokens == 3 * 12
+    assert [c.text for c in sorted(first.choices, key=lambda c: c.index)] == \
+        [c.text for c in sorted(again.choices, key=lambda c: c.index)]  # the seed makes sampling reproducible
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a word."}],
+                                          max_tokens=8, temperature=1.0, n=2, seed=7)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_logprobs(server):
+    client = server.client()
+    reply = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6, temperature=0, logprobs=3,
+                                      extra_body={"ignore_eos": True})
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 3 <= len(top) <= 4
+        assert logprob == pytest.approx(max(top.values()), abs=1e-5)  # greedy took the most likely token
+        assert top[token] == pytest.approx(logprob)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+def test_stop_sequence_and_max_tokens(server):
+    client = server.client()
+    prompt = "The weather today is"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop_word = next(w for w in base.split()[2:] if len(w) >= 3 and base.index(w) > 0)
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stop=[stop_word],
+                                        extra_body={"ignore_eos": True}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == base[: base.index(stop_word)]
+    short = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
+    assert base.startswith(short.choices[0].text)
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(server):
+    import openai
+
+    client = server.client()
+    too_long = [100] * (MAX_MODEL_LEN + 8)
+    bad = [
+        dict(prompt=too_long, max_tokens=4),
+        dict(prompt="Hello", temperature=-1),
+        dict(prompt="Hello", max_tokens=0),
+        dict(prompt="Hello", max_tokens=-3),
+        dict(prompt="Hello", top_p=2),
+    ]
+    for params in bad:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL, **params)
+        assert error.value.status_code == 400, params
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * MAX_MODEL_LEN}],
+                                       max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=-1)
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
+    assert_alive(server)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load: 64 concurrent streaming clients, 20% of them hanging up mid-stream, a cache small enough to preempt.
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Client:
+    job: int
+    hang_up_after: int | None  # chunks read before closing the stream; None reads to the end
+
+
+def load_jobs(tokenizer) -> tuple[list[Job], list[Client]]:
+    """18 distinct greedy requests for 64 clients (each distinct one is then served alone once to compare).
+
+    14 short prompts with 4 clients each; 500, 900, 1500 tokens and one filling max_model_len, 2 clients each.
+    13 clients (20%) hang up mid-stream, at most one per request, so every request completes at least once.
+    """
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(8, 250, 14)] + [500, 900, 1500]
+    max_tokens = [int(m) for m in rng.integers(16, 25, len(lengths))]
+    jobs = [Job(text_of_tokens(tokenizer, n, seed=i), m) for i, (n, m) in enumerate(zip(lengths, max_tokens))]
+    jobs.append(Job(text_of_tokens(tokenizer, MAX_MODEL_LEN - 16, seed=len(jobs)), 16))
+    clients = [Client(j, 3 if c == 0 and j >= 5 else None) for j in range(len(jobs)) for c in range(4 if j < 14 else 2)]
+    order = rng.permutation(len(clients))  # long prompts arrive among the short ones, into a busy cache
+    return jobs, [clients[i] for i in order]
+
+
+async def run_client(openai_client, job: Job, hang_up_after: int | None) -> str | None:
+    stream = await openai_client.completions.create(model=MODEL, prompt=job.prompt, max_tokens=job.max_tokens,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+    text, chunks = [], 0
+    async for chunk in stream:
+        chunks += 1
+        text += [c.text for c in chunk.choices]
+        if hang_up_after is not None and chunks >= hang_up_after:
+            await stream.close()
+            return None
+    return "".join(text)
+
+
+async def run_all(server: Server, jobs: list[Job], clients: list[Client]) -> list[str | None]:
+    openai_client = server.async_client()
+    try:
+        return await asyncio.gather(*(run_client(openai_client, jobs[c.job], c.hang_up_after) for c in clients))
+    finally:
+        await openai_client.close()
+
+
+def wait_for(condition, timeout: float = 30) -> bool:
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+COUNTERS = {  # what the load test counts on /metrics: metric name and labels
+    "preempted": ("vllm:num_preemptions_total", {}),
+    "ran to max_tokens": ("vllm:request_success_total", {"finished_reason": "length"}),
+    "failed": ("vllm:request_success_total", {"finished_reason": "error"}),
+}
+
+
+def counters(port: int) -> dict[str, float]:
+    return {key: metric(port, name, **labels) for key, (name, labels) in COUNTERS.items()}
+
+
+def test_concurrent_load_with_preemption_and_hang_ups(server, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    jobs, clients = load_jobs(AutoTokenizer.from_pretrained(smollm2_dir))
+    hang_ups = sum(c.hang_up_after is not None for c in clients)
+    assert len(clients) == NUM_CLIENTS and hang_ups == 13
+    assert max(len(j.prompt) + j.max_tokens for j in jobs) == MAX_MODEL_LEN
+    port = server.port
+    before = counters(port)
+    results = asyncio.run(run_all(server, jobs, clients))
+    assert_alive(server)
+
+    # Nothing is left running, and no cache block or streaming ring is still held.
+    settled = wait_for(lambda: metric(port, "vllm:num_requests_running") == 0
+                       and metric(port, "vllm:num_requests_waiting") == 0
+                       and metric(port, "vllm:kv_cache_usage_perc") == 0)
+    assert settled, f"KV cache usage {metric(port, 'vllm:kv_cache_usage_perc')} after the load"
+    counted = {key: value - before[key] for key, value in counters(port).items()}
+    assert counted["preempted"] > 0, f"nothing was preempted: the KV cache was big enough for the load ({counted})"
+    # The hung-up requests were aborted, not run to the end; none failed.
+    assert counted["ran to max_tokens"] == NUM_CLIENTS - hang_ups and counted["failed"] == 0, counted
+
+    # Every completed greedy response equals the same request served alone.
+    completed = [(c.job, text) for c, text in zip(clients, results) if c.hang_up_after is None]
+    assert len(completed) == NUM_CLIENTS - hang_ups and all(text for _, text in completed)
+    openai_client = server.client()
+    alone = [openai_client.completions.create(model=MODEL, prompt=job.prompt, max_tokens=job.max_tokens, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text for job in jobs]
+    mismatches = [(j, len(jobs[j].prompt), text, alone[j]) for j, text in completed if text != alone[j]]
+    assert not mismatches, mismatches
+    assert_alive(server)
+    assert metric(port, "vllm:kv_cache_usage_perc") == 0
+
