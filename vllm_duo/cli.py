@@ -152,7 +152,104 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.set_defaults(handler=bench.command)
 
 
-_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands, _add_bench_command)
+def _add_identify_command(commands: _Subparsers) -> None:
+    parser = commands.add_parser(
+        "identify", help="train DuoAttention gates on passkey prompts and write a pattern JSON",
+        description="Train one gate per layer and KV head (the model frozen) so that alpha * full + (1 - alpha) * "
+                    "streaming attention keeps the final hidden states of the full model on synthetic multi-passkey "
+                    "prompts, with an L1 pull of the gates toward 0; write the trained gates as a pattern JSON. "
+                    "Uses every visible GPU (data parallel, torch.distributed); also runs under torchrun.")
+    parser.add_argument("--model", required=True, metavar="MODEL_DIR", help="Hugging Face model folder")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT.json")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000, the reference's)")
+    parser.add_argument("--context-len", type=int,
+                        help="longest prompt in tokens (default: the model's max_position_embeddings, at most "
+                             "32000, on GPU; 2048 on CPU)")
+    parser.add_argument("--min-context-len", type=int,
+                        help="shortest prompt; lengths are uniform in [min, max] (default: half of --context-len)")
+    parser.add_argument("--batch-size", type=int, default=1, help="samples per step and process (default 1)")
+    parser.add_argument("--lr", type=float, default=0.02, help="peak AdamW learning rate (default 0.02)")
+    parser.add_argument("--reg-weight", type=float, default=0.05, help="weight of the L1 gate term (default 0.05)")
+    parser.add_argument("--sink", type=int, default=128, help="sink tokens of the training Λ mask (default 128)")
+    parser.add_argument("--recent", type=int, default=256, help="recent tokens of the training Λ mask (default 256)")
+    parser.add_argument("--passkeys", type=int, default=10, help="passkeys per prompt (default 10)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the prompts (default 42)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="model dtype (default bfloat16 on GPU, float32 on CPU); the gates stay float32")
+    parser.add_argument("--grad-checkpoint", action="store_true",
+                        help="recompute each layer in the backward pass (for long contexts or large models)")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--processes", type=int,
+                        help="data-parallel processes to spawn (default: the visible GPUs on CUDA, 1 on CPU)")
+    parser.add_argument("--sparsity", type=float, default=0.5, help="the pattern's default sparsity (0.5)")
+    parser.add_argument("--deploy-sink", type=int, default=64, help="the pattern's serving sink (default 64)")
+    parser.add_argument("--deploy-recent", type=int, default=256, help="the pattern's serving recent (default 256)")
+    parser.add_argument("--name", help="model name (default: the folder name)")
+    parser.add_argument("--alias", action="append", default=[], dest="aliases", metavar="NAME",
+                        help="another name that finds this pattern, e.g. a Hugging Face repo id (repeatable)")
+    parser.add_argument("--date", help="provenance date, YYYY-MM-DD (default: today)")
+    parser.add_argument("--license", help="license of the model, e.g. Apache-2.0")
+    parser.set_defaults(handler=_identify)
+
+
+def _identify(args: argparse.Namespace) -> str:
+    from vllm_duo import identify  # imported here: torch and transformers load slowly
+
+    context_len = args.context_len or identify.default_context_len(args.model, args.device)
+    settings = identify.IdentifySettings(
+        steps=args.steps, context_len=context_len, min_context_len=args.min_context_len or context_len // 2,
+        batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=args.sink, recent=args.recent,
+        passkeys=args.passkeys, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
+        device=args.device)
+    return identify.identify(
+        args.model, args.output, settings, processes=args.processes, name=args.name, aliases=args.aliases,
+        sparsity=args.sparsity, deploy_sink=args.deploy_sink, deploy_recent=args.deploy_recent, date=args.date,
+        license=args.license)
+
+
+def _add_eval_command(commands: _Subparsers) -> None:
+    from vllm_duo.evaluate import DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_METHODS
+
+    parser = commands.add_parser(
+        "eval", help="passkey needle-in-a-haystack accuracy through vLLM: dense, duo, random heads, StreamingLLM",
+        description="Greedy passkey retrieval through in-process vLLM engines over a grid of context lengths x "
+                    "needle depths, for each method on the same prompts; writes results.json, results.md (summary "
+                    "table) and accuracy heatmaps. Methods: full (vLLM's dense backend), duoXX (the pattern at "
+                    "sparsity XX%%), randomXX (random gates, same sparsity), streamingXX (all heads streaming at the "
+                    "KV budget of duoXX).")
+    parser.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder (default: the bundled "
+                                                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--pattern", help="duo head pattern: a file, bundled name or reference folder (default: "
+                                          "found by the model's name)")
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD",
+                        help=f"default: {' '.join(DEFAULT_METHODS)}")
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS), metavar="TOKENS",
+                        help=f"prompt lengths (default: {' '.join(map(str, DEFAULT_CONTEXTS))})")
+    parser.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS), metavar="D",
+                        help="needle depths in [0, 1] (default: 0 0.25 0.5 0.75 1)")
+    parser.add_argument("--samples", type=int, default=2, help="prompts per (context, depth) cell (default 2)")
+    parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
+    parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
+    parser.add_argument("--max-tokens", type=int, default=10, help="greedy tokens per answer (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the random pattern (default 0)")
+    parser.add_argument("--dtype", help="vLLM dtype (default float32 on CPU, auto on GPU)")
+    parser.add_argument("--kv-cache-space", type=float, default=1.0,
+                        help="CPU only: VLLM_CPU_KVCACHE_SPACE in GiB when unset (default 1)")
+    parser.add_argument("--engine-args", metavar="JSON", help="more vLLM LLM(...) arguments as a JSON object")
+    parser.add_argument("--out", metavar="DIR",
+                        help="results folder (default benchmarks/results/eval-<model>-<cpu|gpu>-<date>)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=_eval)
+
+
+def _eval(args: argparse.Namespace) -> str:
+    from vllm_duo import evaluate  # imported here: vLLM loads slowly
+
+    return evaluate.command(args)
+
+
+_COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands, _add_bench_command,
+                                                         _add_identify_command, _add_eval_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

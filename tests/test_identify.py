@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gate training on SmolLM2 (CPU, short prompts): only the gates learn, they stay in [0, 1], the pattern is valid."""
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_duo import cli, identify, pattern_report
+from vllm_duo.pattern import HeadPattern, read_hf_config
+
+SETTINGS = identify.IdentifySettings(steps=3, context_len=256, sink=8, recent=32, passkeys=2, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a small shared machine two OpenMP threads next to a busy vLLM worker run 10-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_prompt_puts_every_needle_out_of_the_streaming_window(smollm2_dir):
+    trainer_tokenizer = identify.AutoTokenizer.from_pretrained(smollm2_dir)
+    sample = identify.multi_passkey_prompt(trainer_tokenizer, 512, random.Random(0), 3, sink=8, recent=32)
+    assert len(sample.input_ids) <= 512 and len(set(sample.passkeys)) == 3
+    first_question = sample.supervised[0]
+    assert sample.supervised == list(range(first_question, len(sample.input_ids)))
+    for start, passkey in zip(sample.needle_starts, sample.passkeys):
+        needle = trainer_tokenizer.decode(sample.input_ids[start:start + 30])
+        assert passkey in needle and start >= 8
+    qa = trainer_tokenizer.decode(sample.input_ids[first_question:])
+    assert all(passkey in qa for passkey in sample.passkeys)
+    last_needle_end = sample.needle_starts[-1] + len(trainer_tokenizer(" " + identify.NEEDLE.format(
+        ordinal="third", passkey=sample.passkeys[-1]), add_special_tokens=False).input_ids)
+    assert last_needle_end <= first_question - 32
+
+
+def test_schedule_is_the_reference_trapezoid():
+    factors = [identify.lr_factor(step, 100) for step in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[19] == 1.0 and factors[50] == 1.0
+    assert factors[-1] == pytest.approx(0.1) and factors[90] == pytest.approx(0.5)
+    assert [identify.lr_factor(step, 3) for step in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_only_the_gates_train_and_stay_in_range(smollm2_dir, tmp_path):
+    trainer = identify.GateTrainer(smollm2_dir, SETTINGS)
+    frozen = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "duo_gate" not in name}
+    history = [trainer.step(step) for step in range(SETTINGS.steps)]
+
+    assert all(math.isfinite(s.loss) for s in history)
+    gates = trainer.gate_matrix()
+    shape = read_hf_config(smollm2_dir)
+    assert gates.shape == (shape.num_layers, shape.num_kv_heads)
+    assert gates.min() >= 0.0 and gates.max() <= 1.0
+    assert history[-1].loss < history[0].loss or (gates < 0.999).any()
+    assert (gates < 0.999).any()
+    for name, param in trainer.model.named_parameters():
+        if "duo_gate" in name:
+            assert param.requires_grad and param.grad is not None
+        else:
+            assert not param.requires_grad and param.grad is None
+            assert torch.equal(param, frozen[name]), name
+
+    result = identify.TrainResult(gates=gates, history=history, wall_s=1.0)
+    pattern = identify.build_pattern(smollm2_dir, SETTINGS, result, date="2026-11-23")
+    pattern.check_model(*shape)
+    path = tmp_path / "trained.json"
+    pattern.save(path)
+    loaded = HeadPattern.load(path)
+    assert np.allclose(loaded.gates, gates, atol=1e-6) and (loaded.sink, loaded.recent) == (64, 256)
+    assert "reg_weight 0.05" in loaded.provenance.method and "final loss" in loaded.provenance.notes
+    assert "45 of 90" in pattern_report.show(str(path), None, 8192, str(tmp_path / "gates.png"))
+    assert (tmp_path / "gates.png").stat().st_size > 0
+
+
+def test_cli_writes_a_valid_pattern(smollm2_dir, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert cli.main(["identify", "--model", smollm2_dir, "-o", str(out), "--steps", "2", "--context-len", "256",
+                     "--min-context-len", "200", "--passkeys", "2", "--sink", "8", "--recent", "32",
+                     "--device", "cpu"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    pattern = HeadPattern.load(out)
+    assert pattern.provenance.source == identify.SOURCE and pattern.sparsity == 0.5
+    assert "2 steps" in pattern.provenance.method

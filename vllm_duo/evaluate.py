@@ -1,0 +1,381 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Needle-in-a-haystack passkey accuracy through vLLM: dense, duo, random heads and StreamingLLM (`vllm-duo eval`)."""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import math
+import os
+import random
+import re
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config, resolve_pattern
+
+DEFAULT_METHODS = ("full", "duo25", "duo50", "duo75", "random50", "streaming50")
+DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_METHOD = re.compile(r"^(full|duo|random|streaming)(\d{1,3})?$")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One attention setting to compare: `full` (vLLM's dense backend), or duo/random/streaming at a sparsity.
+
+    `duoXX`: the head pattern at sparsity XX%. `randomXX`: uniform random gates (fixed seed) at the same sparsity.
+    `streamingXX`: every head streaming, with `recent` chosen per context so that the KV memory per request matches
+    `duoXX` (see streaming_recent).
+    """
+
+    name: str
+    kind: str
+    sparsity: float
+
+    @classmethod
+    def parse(cls, name: str) -> Method:
+        match = _METHOD.match(name)
+        if not match or (match[1] == "full") != (match[2] is None) or int(match[2] or 0) > 100:
+            raise PatternError(f"method {name!r} is not full, duoXX, randomXX or streamingXX (XX = sparsity in %, "
+                               "e.g. duo50, streaming50)")
+        return cls(name, match[1], int(match[2] or 0) / 100)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One prompt of the grid; every method answers the same cases."""
+
+    context_len: int
+    depth: float
+    sample: int
+    prompt: list[int]
+    passkey: str
+    needle_start: int
+
+
+def num_retrieval(num_heads: int, sparsity: float) -> int:
+    """Retrieval KV heads at `sparsity` under the reference binarization rule: N - ceil(s (N - 1))."""
+    return num_heads - (num_heads if sparsity >= 1.0 else math.ceil(sparsity * (num_heads - 1) - 1e-9))
+
+
+def duo_kv_slots(num_heads: int, sparsity: float, tokens: int, sink: int, recent: int) -> int:
+    """(token, KV head) slots of one request: R * T + (N - R) * min(T, sink + recent)."""
+    retrieval = num_retrieval(num_heads, sparsity)
+    return retrieval * tokens + (num_heads - retrieval) * min(tokens, sink + recent)
+
+
+def streaming_recent(num_heads: int, sparsity: float, tokens: int, sink: int, recent: int) -> int:
+    """The StreamingLLM window with duo's KV budget: N * (sink + recent') = R * T + (N - R) * (sink + recent).
+
+    So recent' = ceil((R * T + (N - R) * (sink + recent)) / N) - sink, with T = context length + generated tokens;
+    the streaming run keeps duo's sink. Block rounding of the paged cache is ignored (under 16 tokens per head).
+    """
+    return max(1, math.ceil(duo_kv_slots(num_heads, sparsity, tokens, sink, recent) / num_heads) - sink)
+
+
+def make_cases(tokenizer, contexts: Sequence[int], depths: Sequence[float], samples: int, seed: int) -> list[Case]:
+    """Passkey prompts from scoring.passkey_prompt over the whole haystack (depth 0 = right after the intro, 1 =
+    right before the question), each seeded by its grid cell so adding a context or method leaves the others."""
+    from vllm_duo.scoring import passkey_prompt
+
+    cases = []
+    for context_len in contexts:
+        for depth in depths:
+            for sample in range(samples):
+                rng = random.Random(f"{seed}/{context_len}/{depth}/{sample}")
+                prompt = passkey_prompt(tokenizer, context_len, rng, depth, sink=0, recent=0)
+                cases.append(Case(context_len, depth, sample, prompt.input_ids[:prompt.answer_start], prompt.passkey,
+                                  prompt.needle.start))
+    return cases
+
+
+def random_pattern(model_dir: str, seed: int, sink: int, recent: int) -> HeadPattern:
+    """Uniform random gates for the model's shape: the control that says whether *which* heads stream matters."""
+    shape = read_hf_config(model_dir)
+    gates = np.random.default_rng(seed).uniform(0.0, 1.0, (shape.num_layers, shape.num_kv_heads)).round(6)
+    return HeadPattern.model_validate({
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": f"{Path(model_dir).name}-random", "architecture": shape.architecture,
+                  "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
+        "gates": gates.tolist(), "sparsity": 0.5, "sink": sink, "recent": recent,
+        "provenance": {"source": "vllm-duo eval", "method": f"uniform random gates in [0, 1], numpy seed {seed}",
+                       "date": datetime.date.today().isoformat()}})
+
+
+@dataclass
+class EvalSettings:
+    """Everything that defines one `vllm-duo eval` run; stored in results.json."""
+
+    model: str
+    out: str
+    pattern: str | None = None
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    depths: tuple[float, ...] = DEFAULT_DEPTHS
+    samples: int = 2
+    sink: int = 64
+    recent: int = 256
+    max_tokens: int = 10
+    seed: int = 0
+    dtype: str | None = None  # None: float32 on CPU, vLLM's "auto" on GPU
+    kv_cache_space: float = 1.0
+    engine_args: dict | None = None
+
+    def command(self) -> str:
+        """The `vllm-duo eval` command line that repeats this run."""
+        parts = ["vllm-duo", "eval", "--model", self.model, "--out", self.out]
+        if self.pattern:
+            parts += ["--pattern", self.pattern]
+        parts += ["--methods", *self.methods, "--contexts", *map(str, self.contexts),
+                  "--depths", *(f"{d:g}" for d in self.depths), "--samples", str(self.samples),
+                  "--sink", str(self.sink), "--recent", str(self.recent), "--max-tokens", str(self.max_tokens),
+                  "--seed", str(self.seed)]
+        if self.dtype:
+            parts += ["--dtype", self.dtype]
+        if self.engine_args:
+            parts += ["--engine-args", json.dumps(self.engine_args)]
+        return shlex.join(parts)
+
+
+def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, random_path: str, cases: list[Case]):
+    """(duo settings or None for dense, cases) per engine: one engine per method, per context for streaming."""
+    duo = {"sink": settings.sink, "recent": settings.recent, "sparsity": method.sparsity}
+    if settings.pattern:
+        duo["pattern"] = settings.pattern
+    if method.kind == "full":
+        return [(None, cases)]
+    if method.kind == "random":
+        return [(dict(duo, pattern=random_path), cases)]
+    if method.kind == "duo":
+        return [(duo, cases)]
+    runs = []
+    for context_len in dict.fromkeys(case.context_len for case in cases):
+        recent = streaming_recent(num_heads, method.sparsity, context_len + settings.max_tokens, settings.sink,
+                                  settings.recent)
+        runs.append((dict(duo, sparsity=1.0, recent=recent),
+                     [case for case in cases if case.context_len == context_len]))
+    return runs
+
+
+def _generate(settings: EvalSettings, duo: dict | None, cases: list[Case], max_model_len: int) -> list[str]:
+    """Greedy answers of one in-process vLLM engine, which is deleted afterwards so the next one has the memory."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    args = dict(model=settings.model, max_model_len=max_model_len, enforce_eager=True,
+                distributed_executor_backend="uni", seed=settings.seed)
+    dtype = settings.dtype or ("float32" if _on_cpu() else "auto")
+    args["dtype"] = dtype
+    if duo is not None:
+        args.update(attention_backend="duo", additional_config={"duo": duo})
+    args.update(settings.engine_args or {})
+    llm = LLM(**args)
+    try:
+        sampling = SamplingParams(max_tokens=settings.max_tokens, temperature=0.0)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=case.prompt) for case in cases], sampling,
+                               use_tqdm=False)
+        return [output.outputs[0].text for output in outputs]
+    finally:
+        # Shut the engine core down before dropping it: that undoes vLLM's gc.freeze() of the startup heap; without it
+        # every engine's weights and KV cache stay in memory until the process ends.
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if not _on_cpu():
+            import torch
+
+            torch.cuda.empty_cache()
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
+    """Runs every method on the same grid of passkey prompts; returns the results dict (also written to disk)."""
+    methods = [Method.parse(name) for name in settings.methods]
+    if not settings.contexts or not settings.depths or settings.samples < 1 or settings.max_tokens < 1:
+        raise PatternError("need at least one context, one depth, one sample and one generated token")
+    if any(not 0.0 <= depth <= 1.0 for depth in settings.depths):
+        raise PatternError(f"depths {settings.depths} must lie in [0, 1]")
+    config = json.loads((Path(settings.model) / "config.json").read_text(encoding="utf-8"))
+    limit = config.get("max_position_embeddings")
+    max_model_len = max(settings.contexts) + settings.max_tokens
+    if limit and max_model_len > limit:
+        raise PatternError(f"context {max(settings.contexts)} + {settings.max_tokens} generated tokens exceeds the "
+                           f"model's {limit} positions: lower --contexts")
+    shape = read_hf_config(settings.model)
+    num_heads = shape.num_layers * shape.num_kv_heads
+    pattern, pattern_source = resolve_pattern(settings.pattern, settings.model)
+    pattern.check_model(*shape, model_name=settings.model)
+
+    # Before vLLM is first imported: one in-process engine at a time (fast starts, exceptions surface here).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if _on_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_space:g}")
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from vllm_duo.bench import machine_info
+
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    random_path = str(out / "random-pattern.json")
+    random_pattern(settings.model, settings.seed, settings.sink, settings.recent).save(random_path)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    cases = make_cases(tokenizer, settings.contexts, settings.depths, settings.samples, settings.seed)
+
+    records, runs_info = [], []
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    plan = [(method, duo, group) for method in methods
+            for duo, group in _engine_runs(settings, method, num_heads, random_path, cases)]
+    bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
+    for method, duo, group in bar:
+        bar.set_postfix(method=method.name)
+        start = time.perf_counter()
+        answers = _generate(settings, duo, group, max_model_len)
+        runs_info.append({"method": method.name, "duo": duo, "cases": len(group),
+                          "wall_s": round(time.perf_counter() - start, 1)})
+        for case, answer in zip(group, answers):
+            records.append({"method": method.name, "context_len": case.context_len, "depth": case.depth,
+                            "sample": case.sample, "prompt_tokens": len(case.prompt),
+                            "needle_start": case.needle_start, "passkey": case.passkey, "answer": answer,
+                            "correct": case.passkey in answer})
+    results = {
+        "settings": asdict(settings), "command": settings.command(), "started": started,
+        "machine": machine_info(), "pattern": pattern_source, "num_kv_heads_total": num_heads,
+        "methods": [_summary(method, records, settings, num_heads) for method in methods],
+        "engines": runs_info, "records": records,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(report(results), encoding="utf-8")
+    write_heatmaps(results, out)
+    return results
+
+
+def _summary(method: Method, records: list[dict], settings: EvalSettings, num_heads: int) -> dict:
+    """Accuracies of one method: overall, per context, per (context, depth) cell; and its KV size vs dense."""
+    mine = [r for r in records if r["method"] == method.name]
+    grid = [[float(np.mean([r["correct"] for r in mine if r["context_len"] == c and r["depth"] == d]))
+             for d in settings.depths] for c in settings.contexts]
+    kv = []
+    for context_len in settings.contexts:
+        tokens = context_len + settings.max_tokens
+        if method.kind == "full":
+            slots = num_heads * tokens
+        elif method.kind == "streaming":
+            recent = streaming_recent(num_heads, method.sparsity, tokens, settings.sink, settings.recent)
+            slots = num_heads * min(tokens, settings.sink + recent)
+        else:
+            slots = duo_kv_slots(num_heads, method.sparsity, tokens, settings.sink, settings.recent)
+        kv.append(round(slots / (num_heads * tokens), 4))
+    return {"method": method.name, "kind": method.kind, "sparsity": method.sparsity,
+            "accuracy": float(np.mean([r["correct"] for r in mine])),
+            "by_context": {str(c): float(np.mean([r["correct"] for r in mine if r["context_len"] == c]))
+                           for c in settings.contexts},
+            "grid": grid, "kv_fraction": dict(zip(map(str, settings.contexts), kv))}
+
+
+def report(results: dict) -> str:
+    """results.md: the summary table (accuracy per context, overall, points vs full, KV vs dense) and grids."""
+    settings = results["settings"]
+    contexts, depths = settings["contexts"], settings["depths"]
+    full = next((m["accuracy"] for m in results["methods"] if m["kind"] == "full"), None)
+    lines = [f"# Passkey retrieval: {Path(settings['model']).name}", "",
+             f"Command: `{results['command']}`", "",
+             f"Machine: {results['machine']['device']}; vLLM {results['machine']['vllm_version']}, torch "
+             f"{results['machine']['torch_version']}, vllm-duo {results['machine']['vllm_duo_commit']}; started "
+             f"{results['started']}. Pattern: {results['pattern']}. {settings['samples']} sample(s) per cell, "
+             f"greedy, {settings['max_tokens']} new tokens; correct = the 5-digit passkey appears in the answer.", "",
+             "| method | " + " | ".join(f"{c} tok" for c in contexts) + " | all | vs full (points) | KV vs dense |",
+             "|---" * (len(contexts) + 4) + "|"]
+    for m in results["methods"]:
+        delta = "" if full is None or m["kind"] == "full" else f"{100 * (m['accuracy'] - full):+.1f}"
+        kv = ", ".join(f"{100 * v:.0f}%" for v in m["kv_fraction"].values())
+        lines.append(f"| {m['method']} | " + " | ".join(f"{100 * m['by_context'][str(c)]:.0f}%" for c in contexts)
+                     + f" | {100 * m['accuracy']:.1f}% | {delta} | {kv} |")
+    lines += ["", "KV vs dense: (token, KV head) slots per request as a fraction of dense, per context. duoXX: "
+              "R T + (N - R) min(T, sink + recent), R = N - ceil(s (N - 1)) retrieval heads of N; streamingXX: all "
+              "N heads streaming with recent' = ceil((R T + (N - R)(sink + recent)) / N) - sink, the same budget "
+              "as duoXX; T = context + generated tokens.", "",
+              "Accuracy per context (rows) and needle depth (columns; 0 = right after the intro, 1 = right before "
+              "the question):", ""]
+    for m in results["methods"]:
+        lines += [f"**{m['method']}**", "", "| context | " + " | ".join(f"{d:g}" for d in depths) + " |",
+                  "|---" * (len(depths) + 1) + "|"]
+        lines += [f"| {c} | " + " | ".join(f"{100 * v:.0f}%" for v in row) + " |"
+                  for c, row in zip(contexts, m["grid"])]
+        lines.append("")
+    lines += ["Engines (one per method; per context for streaming, whose window depends on it):", ""]
+    lines += [f"- {e['method']}: {json.dumps(e['duo']) if e['duo'] else 'dense (vLLM default backend)'}; "
+              f"{e['cases']} prompts, {e['wall_s']} s" for e in results["engines"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_heatmaps(results: dict, out: Path) -> None:
+    """heatmap-<method>.png per method and heatmaps.png with all of them: accuracy over context x depth."""
+    from matplotlib.figure import Figure  # without pyplot: Agg, and the process-wide backend is left alone
+
+    settings, methods = results["settings"], results["methods"]
+
+    def draw(axes, method):
+        grid = np.array(method["grid"])
+        image = axes.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+        axes.set_xticks(range(len(settings["depths"])), [f"{d:g}" for d in settings["depths"]])
+        axes.set_yticks(range(len(settings["contexts"])), [str(c) for c in settings["contexts"]])
+        axes.set_xlabel("needle depth")
+        axes.set_ylabel("context (tokens)")
+        axes.set_title(f"{method['method']}: {100 * method['accuracy']:.1f}%", fontsize=10)
+        for (row, col), value in np.ndenumerate(grid):
+            axes.text(col, row, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
+        return image
+
+    for method in methods:
+        figure = Figure(figsize=(1.2 + 0.8 * len(settings["depths"]), 1.4 + 0.5 * len(settings["contexts"])),
+                        layout="constrained")
+        image = draw(figure.add_subplot(), method)
+        figure.colorbar(image, label="accuracy")
+        figure.savefig(out / f"heatmap-{method['method']}.png", dpi=110)
+    figure = Figure(figsize=(0.2 + (1.0 + 0.8 * len(settings["depths"])) * len(methods),
+                             1.4 + 0.5 * len(settings["contexts"])), layout="constrained")
+    for index, method in enumerate(methods):
+        draw(figure.add_subplot(1, len(methods), index + 1), method)
+    figure.savefig(out / "heatmaps.png", dpi=110)
+
+
+def default_out(model: str) -> str:
+    """benchmarks/results/eval-<model folder>-<cpu|gpu>-<date>."""
+    device = "cpu" if _on_cpu() else "gpu"
+    return f"benchmarks/results/eval-{Path(model).name.lower()}-{device}-{datetime.date.today().isoformat()}"
+
+
+def command(args) -> str:
+    """CLI handler: runs the evaluation and returns the summary table's path and rows."""
+    engine_args = None
+    if args.engine_args:
+        try:
+            engine_args = json.loads(args.engine_args)
+        except json.JSONDecodeError as error:
+            raise PatternError(f"--engine-args is not JSON ({error}): pass e.g. '{{\"enforce_eager\": false}}'")
+        if not isinstance(engine_args, dict):
+            raise PatternError("--engine-args must be a JSON object, e.g. '{\"enforce_eager\": false}'")
+    if args.model is None:
+        from vllm_duo import smollm2
+
+        args.model = str(smollm2.prepare())
+    settings = EvalSettings(
+        model=args.model, out=args.out or default_out(args.model), pattern=args.pattern,
+        methods=tuple(args.methods), contexts=tuple(args.contexts), depths=tuple(args.depths), samples=args.samples,
+        sink=args.sink, recent=args.recent, max_tokens=args.max_tokens, seed=args.seed, dtype=args.dtype,
+        kv_cache_space=args.kv_cache_space, engine_args=engine_args)
+    results = evaluate(settings, progress=not args.no_progress)
+    rows = [f"  {m['method']:<12} {100 * m['accuracy']:5.1f}%  " +
+            "  ".join(f"{c}: {100 * v:.0f}%" for c, v in m["by_context"].items()) for m in results["methods"]]
+    return f"wrote {settings.out}/results.md, results.json, heatmaps\n" + "\n".join(rows)
