@@ -38,6 +38,7 @@ def held_blocks(llm) -> int:
 def measure(model: str, max_model_len: int, duo: dict | None, **engine_args) -> Capacity:
     """Build an engine with dummy weights, read its capacity, free it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU stack: a fixed KV space, the same for both
     from vllm import LLM
 
     kwargs = dict(model=model, max_model_len=max_model_len, load_format="dummy", enforce_eager=True,
