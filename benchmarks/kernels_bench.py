@@ -111,7 +111,7 @@ class DuoLayout:
         R, S = len(RETRIEVAL), NUM_KV_HEADS - len(RETRIEVAL)
         P = R
         E = triton.cdiv((SINK + RECENT) * S, BLOCK * P)
-        heads = LayerHeads.build(RETRIEVAL, NUM_KV_HEADS, NUM_HEADS, P, E, SINK, RECENT, device=DEV)
+        heads = LayerHeads.build(RETRIEVAL, NUM_KV_HEADS, NUM_HEADS, E, SINK, RECENT, device=DEV)
         counts = [E + triton.cdiv(s, BLOCK) for s in seq_lens]
         ids = torch.randperm(sum(counts), device=DEV).int() + 1
         table = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32, device=DEV)

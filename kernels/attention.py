@@ -16,7 +16,8 @@ from vllm_duo.kernels.reference import LayerHeads
 def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                          heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          block_table: torch.Tensor, scale: float, output: torch.Tensor, max_query_len: int,
-                         max_seq_len: int, max_num_splits: int | None = None) -> None:
+                         max_seq_len: int, max_num_splits: int | None = None,
+                         ring_cache: torch.Tensor | None = None) -> None:
     """Write the batch's K/V into the duo cache and attend: single-token requests by decode.py, the rest by prefill.py.
 
     Launch order: retrieval write, attention, streaming write (a chunk may overwrite ring
@@ -35,7 +36,11 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         max_query_len, max_seq_len: host ints bounding the batch (vLLM's metadata has them).
         max_num_splits: context splits per retrieval head in decode; default `decode_num_splits`.
+        ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
     """
+    ring_cache = cache if ring_cache is None else ring_cache
+    if heads.num_retrieval == 0:
+        cache = ring_cache  # a layer without retrieval heads reads no pages of its own (its cache may be a stub)
     if max_num_splits is None:
         max_num_splits = decode_num_splits(seq_lens.shape[0], heads.num_retrieval, max_seq_len, cache.device)
     write_retrieval_kv(key, value, cache, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
@@ -48,16 +53,16 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, block_table, scale,
                                       output, max_query_len, max_seq_len)
         prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                          streaming_only=True)
+                          streaming_only=True, ring_cache=ring_cache)
     else:
         if max_query_len > 1:
             prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale,
-                              output, min_query_len=2)
+                              output, min_query_len=2, ring_cache=ring_cache)
         decode_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                         max_num_splits)
+                         max_num_splits, ring_cache=ring_cache)
     if heads.num_streaming:
-        write_streaming_kv(key, value, cache, heads.streaming_kv, query_start_loc, seq_lens, block_table,
-                           heads.sink, heads.recent)
+        write_streaming_kv(key, value, ring_cache, heads.streaming_kv, query_start_loc, seq_lens, block_table,
+                           heads.sink, heads.recent, heads.ring_offset)
 
 
 @functools.cache

@@ -42,30 +42,34 @@ def retrieval_rows(table_row_ptr, pos, mask, streaming_blocks, head, stride_bloc
 
 
 @triton.jit
-def ring_rows(table_row_ptr, pos, mask, head, num_streaming, page_heads, sink, recent, stride_block, stride_row,
-              stride_head, BLOCK_SIZE: tl.constexpr):
-    """Cache offsets (of the K element 0) of streaming head `head`'s ring cells for positions `pos`.
+def ring_rows(table_row_ptr, pos, mask, head, num_streaming, ring_offset, page_heads, sink, recent, stride_block,
+              stride_row, stride_head, BLOCK_SIZE: tl.constexpr):
+    """Ring-cache offsets (of the K element 0) of streaming head `head`'s ring cells for positions `pos`.
 
-    Slot p for p < sink, else sink + (p - sink) % recent; the ring `[W, S]` is flattened over
-    the E streaming blocks, `page_heads` cells per block row.
+    Slot p for p < sink, else sink + (p - sink) % recent; the ring `[W, S]` is flattened from
+    cell `ring_offset` on over the E streaming blocks of the ring cache, `page_heads` cells per row.
     """
     slot = tl.where(pos < sink, pos, sink + (pos - sink) % recent)
-    flat = slot * num_streaming + head
+    flat = ring_offset + slot * num_streaming + head
     cells_per_block = BLOCK_SIZE * page_heads
     block = tl.load(table_row_ptr + flat // cells_per_block, mask=mask, other=0).to(tl.int64)
     cell = flat % cells_per_block
     return block * stride_block + (cell // page_heads) * stride_row + (cell % page_heads) * stride_head
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_heads", "streaming_blocks", "page_heads", "sink", "recent"])
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "streaming_blocks", "ring_offset", "page_heads", "sink",
+                               "recent"])
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-                     num_reqs, num_heads, streaming_blocks, page_heads, sink, recent,
+                     num_reqs, num_heads, streaming_blocks, ring_offset, page_heads, sink, recent,
                      stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64, stride_vh: tl.int64,
                      stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                      stride_ch: tl.int64,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, STREAMING: tl.constexpr):
-    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x heads)."""
+    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x heads).
+
+    `cache_ptr` is the layer's cache for retrieval writes, its ring cache for STREAMING ones.
+    """
     tile = tl.program_id(0)
     j = tl.program_id(1)
     req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_T)
@@ -89,7 +93,7 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_lo
         mask &= (pos < sink) | (pos >= seq_len - recent)
     table_row = block_table_ptr + req * stride_table
     if STREAMING:
-        rows = ring_rows(table_row, pos, mask, j, num_heads, page_heads, sink, recent,
+        rows = ring_rows(table_row, pos, mask, j, num_heads, ring_offset, page_heads, sink, recent,
                          stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
     else:
         rows = retrieval_rows(table_row, pos, mask, streaming_blocks, j, stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
@@ -131,8 +135,17 @@ def check_tokens(cache: torch.Tensor, *tensors: torch.Tensor) -> None:
             raise ValueError("all token tensors must have the same number of tokens")
 
 
-def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, streaming_blocks, sink, recent,
-           streaming):
+def check_ring(cache: torch.Tensor, ring_cache: torch.Tensor) -> None:
+    """Check that a layer's ring cache (another layer's cache, or its own) matches its cache's blocks."""
+    same = (ring_cache.dim() == 5 and ring_cache.shape[:3] == cache.shape[:3] and ring_cache.shape[4] == cache.shape[4]
+            and ring_cache.dtype == cache.dtype and ring_cache.device == cache.device and ring_cache.is_contiguous())
+    if not same:
+        raise ValueError(f"ring cache {tuple(ring_cache.shape)} {ring_cache.dtype} must be a contiguous cache with the "
+                         f"blocks, block size, head_dim and dtype of the layer's cache {tuple(cache.shape)} {cache.dtype}")
+
+
+def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, streaming_blocks, ring_offset, sink,
+           recent, streaming):
     check_tokens(cache, key, value)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)
     num_heads = kv_heads.numel()
@@ -143,7 +156,7 @@ def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, 
     grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads)
     _write_kv_kernel[grid](
         key, value, cache, kv_heads, query_start_loc, seq_lens, block_table,
-        num_reqs, num_heads, streaming_blocks, cache.shape[3], sink, recent,
+        num_reqs, num_heads, streaming_blocks, ring_offset, cache.shape[3], sink, recent,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
@@ -163,22 +176,25 @@ def write_retrieval_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tens
         block_table: `[num_reqs, max_blocks]` int32, E streaming blocks then retrieval blocks.
         streaming_blocks: E.
     """
-    _write(key, value, cache, retrieval_kv, query_start_loc, seq_lens, block_table, streaming_blocks, 0, 1, False)
+    _write(key, value, cache, retrieval_kv, query_start_loc, seq_lens, block_table, streaming_blocks, 0, 0, 1, False)
 
 
-def write_streaming_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, streaming_kv: torch.Tensor,
+def write_streaming_kv(key: torch.Tensor, value: torch.Tensor, ring_cache: torch.Tensor, streaming_kv: torch.Tensor,
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       sink: int, recent: int) -> None:
+                       sink: int, recent: int, ring_offset: int = 0) -> None:
     """Store the new streaming K/V that later queries can still see (positions < sink or >= seq_len - recent).
 
     Run after streaming attention: within one chunk a later position can take the ring slot
     that an earlier query of the same chunk still reads.
 
     Args:
-        key, value, cache, query_start_loc, seq_lens, block_table: as in `write_retrieval_kv`.
+        key, value, query_start_loc, seq_lens, block_table: as in `write_retrieval_kv`.
+        ring_cache: the cache whose streaming blocks hold the layer's ring.
         streaming_kv: `[S]` model KV head ids; head s takes ring column s.
         sink, recent: ring sizes, recent >= 1.
+        ring_offset: the layer's first cell in the ring cache's streaming blocks.
     """
     if recent < 1:
         raise ValueError(f"recent must be >= 1, got {recent}")
-    _write(key, value, cache, streaming_kv, query_start_loc, seq_lens, block_table, 0, sink, recent, True)
+    _write(key, value, ring_cache, streaming_kv, query_start_loc, seq_lens, block_table, 0, ring_offset, sink, recent,
+           True)

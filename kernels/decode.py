@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import check_batch, check_tokens
+from vllm_duo.kernels.cache_write import check_batch, check_ring, check_tokens
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, streaming_tiles
 from vllm_duo.kernels.reference import LayerHeads
 
@@ -27,14 +27,16 @@ def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPL
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
 
 
-@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "streaming_blocks", "page_heads", "sink", "recent"])
-def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "streaming_blocks", "ring_offset", "page_heads",
+                               "sink", "recent"])
+def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
-                   num_retrieval, num_streaming, streaming_blocks, page_heads, sink, recent,
+                   num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads, sink, recent,
                    stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
                    stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                    stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
-                   stride_ch: tl.int64,
+                   stride_ch: tl.int64, stride_rb: tl.int64, stride_rkv: tl.int64, stride_rr: tl.int64,
+                   stride_rh: tl.int64,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
                    MIN_SPLIT: tl.constexpr):
@@ -76,9 +78,9 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, part_out_p
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     else:
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, seq_len - 1, seq_len - 1, seq_len - 1, q_start,
-                                        cache_ptr, table_row, key_ptr, value_ptr, head - num_retrieval, kv_head,
-                                        num_streaming, page_heads, sink, recent, qk_scale, stride_kt, stride_kh,
-                                        stride_vt, stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch,
+                                        ring_ptr, table_row, key_ptr, value_ptr, head - num_retrieval, kv_head,
+                                        num_streaming, ring_offset, page_heads, sink, recent, qk_scale, stride_kt,
+                                        stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     out = acc / l_i[:, None]
     if MAX_SPLITS > 1:
@@ -134,7 +136,8 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                      heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float, output: torch.Tensor, max_num_splits: int) -> None:
+                     block_table: torch.Tensor, scale: float, output: torch.Tensor, max_num_splits: int,
+                     ring_cache: torch.Tensor | None = None) -> None:
     """Duo attention of every request with exactly one new token; other requests are left untouched.
 
     The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
@@ -147,8 +150,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 skips the merge.
+        ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
     """
+    ring_cache = cache if ring_cache is None else ring_cache
     check_tokens(cache, query, key, value, output)
+    check_ring(cache, ring_cache)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)
     if heads.num_streaming and heads.recent < 1:
         raise ValueError(f"recent must be >= 1, got {heads.recent}")
@@ -167,12 +173,13 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         part_out = torch.empty(num_reqs, R * G, splits, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, R * G, splits, dtype=torch.float32, device=cache.device)
     _decode_kernel[(num_reqs, R * splits + S)](
-        query, key, value, cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
+        query, key, value, cache, ring_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
         query_start_loc, seq_lens, block_table, scale * LOG2E,
-        R, S, heads.streaming_blocks, cache.shape[3], heads.sink, heads.recent,
+        R, S, heads.streaming_blocks, heads.ring_offset, ring_cache.shape[3], heads.sink, heads.recent,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, num_warps=4,
         num_stages=3 if cache.is_cuda else 1)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import check_batch, check_tokens, find_request, retrieval_rows, ring_rows
+from vllm_duo.kernels.cache_write import check_batch, check_ring, check_tokens, find_request, retrieval_rows, ring_rows
 from vllm_duo.kernels.reference import LayerHeads
 
 LOG2E = 1.4426950408889634
@@ -74,30 +74,30 @@ def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row
 
 
 @triton.jit
-def _streaming_kv(pos, valid, num_cached, q_start, cache_ptr, table_row, key_ptr, value_ptr, head, kv_head,
-                  num_streaming, page_heads, sink, recent, stride_kt, stride_kh, stride_vt, stride_vh,
-                  stride_cb, stride_ckv, stride_cr, stride_ch, dtype,
+def _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head, kv_head,
+                  num_streaming, ring_offset, page_heads, sink, recent, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_rb, stride_rkv, stride_rr, stride_rh, dtype,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """K/V `[N, D]` of streaming positions `pos`: ring cells before the chunk, key/value inputs after."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = (offs_d < HEAD_DIM)[None, :]
     old = valid & (pos < num_cached)
     new = (valid & (pos >= num_cached))[:, None] & d_ok
-    rows = ring_rows(table_row, pos, old, head, num_streaming, page_heads, sink, recent,
-                     stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
-    ring = cache_ptr + rows[:, None] + offs_d[None, :]
+    rows = ring_rows(table_row, pos, old, head, num_streaming, ring_offset, page_heads, sink, recent,
+                     stride_rb, stride_rr, stride_rh, BLOCK_SIZE)
+    ring = ring_ptr + rows[:, None] + offs_d[None, :]
     tok = (q_start + pos - num_cached).to(tl.int64)[:, None]
     k = tl.load(ring, mask=old[:, None] & d_ok, other=0.0).to(dtype)
-    v = tl.load(ring + stride_ckv, mask=old[:, None] & d_ok, other=0.0).to(dtype)
+    v = tl.load(ring + stride_rkv, mask=old[:, None] & d_ok, other=0.0).to(dtype)
     k += tl.load(key_ptr + tok * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=new, other=0.0).to(dtype)
     v += tl.load(value_ptr + tok * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=new, other=0.0).to(dtype)
     return k, v
 
 
 @triton.jit
-def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, cache_ptr, table_row, key_ptr,
-                    value_ptr, head, kv_head, num_streaming, page_heads, sink, recent, qk_scale,
-                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch,
+def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, ring_ptr, table_row, key_ptr,
+                    value_ptr, head, kv_head, num_streaming, ring_offset, page_heads, sink, recent, qk_scale,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr):
     """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
@@ -110,18 +110,18 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, c
     for start in range(0, sink_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < sink_end
-        k, v = _streaming_kv(pos, valid, num_cached, q_start, cache_ptr, table_row, key_ptr, value_ptr, head,
-                             kv_head, num_streaming, page_heads, sink, recent, stride_kt, stride_kh, stride_vt,
-                             stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch, q.dtype,
+        k, v = _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head,
+                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, stride_kt, stride_kh,
+                             stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh, q.dtype,
                              HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
         pos = start + offs_n
         valid = pos <= last
-        k, v = _streaming_kv(pos, valid, num_cached, q_start, cache_ptr, table_row, key_ptr, value_ptr, head,
-                             kv_head, num_streaming, page_heads, sink, recent, stride_kt, stride_kh, stride_vt,
-                             stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch, q.dtype,
+        k, v = _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head,
+                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, stride_kt, stride_kh,
+                             stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh, q.dtype,
                              HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
@@ -130,15 +130,16 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, c
 
 # Batch-dependent ints are not specialized: each new value class would compile a new kernel mid-serving.
 @triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "streaming_blocks",
-                               "page_heads", "sink", "recent", "min_query_len", "head_offset"])
-def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
+                               "ring_offset", "page_heads", "sink", "recent", "min_query_len", "head_offset"])
+def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
                     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
-                    num_reqs, num_tiles, num_retrieval, num_streaming, streaming_blocks, page_heads, sink, recent,
-                    min_query_len, head_offset,
+                    num_reqs, num_tiles, num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads,
+                    sink, recent, min_query_len, head_offset,
                     stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
                     stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                     stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
-                    stride_ch: tl.int64,
+                    stride_ch: tl.int64, stride_rb: tl.int64, stride_rkv: tl.int64, stride_rr: tl.int64,
+                    stride_rh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones."""
@@ -178,10 +179,10 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, out_ptr, retrieval
                                         streaming_blocks, head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     else:
-        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, cache_ptr,
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, ring_ptr,
                                         table_row, key_ptr, value_ptr, head - num_retrieval, kv_head, num_streaming,
-                                        page_heads, sink, recent, qk_scale, stride_kt, stride_kh, stride_vt,
-                                        stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch,
+                                        ring_offset, page_heads, sink, recent, qk_scale, stride_kt, stride_kh,
+                                        stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
@@ -200,7 +201,7 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                       heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, scale: float, output: torch.Tensor, min_query_len: int = 1,
-                      streaming_only: bool = False) -> None:
+                      streaming_only: bool = False, ring_cache: torch.Tensor | None = None) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
     The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
@@ -214,8 +215,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         min_query_len: 2 when decode.py serves the single-token requests.
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
+        ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
     """
+    ring_cache = cache if ring_cache is None else ring_cache
     check_tokens(cache, query, key, value, output)
+    check_ring(cache, ring_cache)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)
     if heads.num_streaming and heads.recent < 1:
         raise ValueError(f"recent must be >= 1, got {heads.recent}")
@@ -230,12 +234,13 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block_q = block_m // G
     num_tiles = num_tokens // block_q + num_reqs
     _prefill_kernel[(num_tiles, num_heads)](
-        query, key, value, cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
-        block_table, scale * LOG2E,
-        num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.streaming_blocks, cache.shape[3],
-        heads.sink, heads.recent, min_query_len, head_offset,
+        query, key, value, cache, ring_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
+        seq_lens, block_table, scale * LOG2E,
+        num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.streaming_blocks, heads.ring_offset,
+        ring_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2], **cfg)

@@ -2,7 +2,9 @@
 """Plain PyTorch duo attention over the duo cache layout: the CPU path and the kernels' reference.
 
 Layout (see vllm_duo/kv_cache.py): a layer's cache is `[num_blocks, 2, block_size, P, head_dim]`;
-a request's block table row is `[E streaming blocks | retrieval blocks ...]`.
+a request's block table row is `[E streaming blocks | retrieval blocks ...]`. A layer's streaming
+ring lives in the E streaming blocks of a ring cache (its own cache or another layer's, which
+the layers share), starting `ring_offset` cells in.
 
 Masks, with q and k token positions of one request:
 * retrieval heads: k <= q (causal over the whole context);
@@ -31,14 +33,14 @@ class LayerHeads:
     retrieval_q: torch.Tensor
     streaming_q: torch.Tensor
     group_size: int
-    page_heads: int
+    ring_offset: int
     streaming_blocks: int
     sink: int
     recent: int
 
     @classmethod
-    def build(cls, retrieval: list[int], num_kv_heads: int, num_heads: int, page_heads: int,
-              streaming_blocks: int, sink: int, recent: int, device="cpu") -> LayerHeads:
+    def build(cls, retrieval: list[int], num_kv_heads: int, num_heads: int, streaming_blocks: int, sink: int,
+              recent: int, ring_offset: int = 0, device="cpu") -> LayerHeads:
         group = num_heads // num_kv_heads
         streaming = [h for h in range(num_kv_heads) if h not in set(retrieval)]
 
@@ -49,7 +51,7 @@ class LayerHeads:
             return torch.tensor(kv, dtype=torch.long, device=device)
 
         return cls(kv_heads(retrieval), kv_heads(streaming), q_heads(retrieval), q_heads(streaming),
-                   group, page_heads, streaming_blocks, sink, recent)
+                   group, ring_offset, streaming_blocks, sink, recent)
 
     @property
     def num_retrieval(self) -> int:
@@ -80,12 +82,14 @@ def ring_slots(positions: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
     return torch.where(positions < sink, positions, wrapped)
 
 
-def ring_cells(stream_blocks: torch.Tensor, slots: torch.Tensor, heads: int, block_size: int, page_heads: int):
-    """(block, row, head) cache coordinates of ring `slots` x streaming heads [0, heads).
+def ring_cells(stream_blocks: torch.Tensor, slots: torch.Tensor, heads: int, block_size: int, page_heads: int,
+               offset: int):
+    """(block, row, head) ring-cache coordinates of ring `slots` x streaming heads [0, heads).
 
-    The ring is `[W, heads]` flattened into the E streaming blocks, `page_heads` cells per row.
+    The ring is `[W, heads]` flattened from cell `offset` on over the E streaming blocks of the
+    ring cache, `page_heads` cells per row.
     """
-    flat = slots[:, None] * heads + torch.arange(heads, device=slots.device)[None, :]
+    flat = offset + slots[:, None] * heads + torch.arange(heads, device=slots.device)[None, :]
     per_block = block_size * page_heads
     block = stream_blocks[flat // per_block]
     row = (flat % per_block) // page_heads
@@ -112,25 +116,25 @@ def read_retrieval(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int, h
     return kv[0], kv[1]
 
 
-def write_streaming(cache: torch.Tensor, stream_blocks: torch.Tensor, positions: torch.Tensor,
-                    key: torch.Tensor, value: torch.Tensor, seq_len: int, sink: int, recent: int) -> None:
+def write_streaming(cache: torch.Tensor, stream_blocks: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, seq_len: int, sink: int, recent: int, offset: int = 0) -> None:
     """Store the streaming K/V `[n, S, D]` that future queries can still see: sinks and the last `recent`."""
     keep = (positions < sink) | (positions >= seq_len - recent)
     positions, key, value = positions[keep], key[keep], value[keep]
     if positions.numel() == 0:
         return
     block, row, head = ring_cells(stream_blocks, ring_slots(positions, sink, recent), key.shape[1],
-                                  cache.shape[2], cache.shape[3])
+                                  cache.shape[2], cache.shape[3], offset)
     cache[block, 0, row, head] = key.to(cache.dtype)
     cache[block, 1, row, head] = value.to(cache.dtype)
 
 
 def read_streaming(cache: torch.Tensor, stream_blocks: torch.Tensor, num_cached: int, heads: int,
-                   sink: int, recent: int):
+                   sink: int, recent: int, offset: int = 0):
     """Ring K/V `[W', heads, D]` and their positions `[W']`, empty slots dropped."""
     positions = ring_positions(num_cached, sink, recent, device=cache.device)
     slots = torch.nonzero(positions >= 0).flatten()
-    block, row, head = ring_cells(stream_blocks, slots, heads, cache.shape[2], cache.shape[3])
+    block, row, head = ring_cells(stream_blocks, slots, heads, cache.shape[2], cache.shape[3], offset)
     return cache[block, 0, row, head], cache[block, 1, row, head], positions[slots]
 
 
@@ -154,7 +158,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: t
 
 def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                   heads: LayerHeads, query_start_loc: list[int], seq_lens: list[int],
-                  block_table: torch.Tensor, scale: float, output: torch.Tensor) -> None:
+                  block_table: torch.Tensor, scale: float, output: torch.Tensor,
+                  ring_cache: torch.Tensor | None = None) -> None:
     """Write the chunk's K/V into the duo cache and attend, request by request.
 
     Args:
@@ -165,8 +170,10 @@ def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         seq_lens: `[num_reqs]` context length of each request after this step.
         block_table: `[num_reqs, max_blocks]`, E streaming blocks then retrieval blocks.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
+        ring_cache: the cache whose streaming blocks hold this layer's ring (default `cache`).
     """
     E = heads.streaming_blocks
+    ring_cache = cache if ring_cache is None else ring_cache
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if end == start:
@@ -185,10 +192,11 @@ def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         if heads.num_streaming:
             ring = row[:E]
             k_new, v_new = k[:, heads.streaming_kv], v[:, heads.streaming_kv]
-            k_old, v_old, old_pos = read_streaming(cache, ring, num_cached, heads.num_streaming,
-                                                   heads.sink, heads.recent)
+            k_old, v_old, old_pos = read_streaming(ring_cache, ring, num_cached, heads.num_streaming,
+                                                   heads.sink, heads.recent, heads.ring_offset)
             out = attend(q[:, heads.streaming_q], torch.cat([k_old.to(k_new.dtype), k_new]),
                          torch.cat([v_old.to(v_new.dtype), v_new]), positions, torch.cat([old_pos, positions]),
                          scale, heads.group_size, heads.sink, heads.recent)
             output[start:end, heads.streaming_q] = out.to(output.dtype)
-            write_streaming(cache, ring, positions, k_new, v_new, seq_len, heads.sink, heads.recent)
+            write_streaming(ring_cache, ring, positions, k_new, v_new, seq_len, heads.sink, heads.recent,
+                            heads.ring_offset)

@@ -40,6 +40,7 @@ class Preset:
     sink: int = 4
     recent: int = 16
     page_heads: int | None = None  # default max(R, 1)
+    ring_host: tuple[int, int] | None = None  # (page heads, offset): the ring pooled in another layer's cache
 
 
 # Small shapes for the interpreter. W = sink + recent = 20 unless said otherwise; most contexts exceed it.
@@ -54,6 +55,8 @@ PRESETS = {
     "head_dim_80_wide_pages": Preset(6, 3, (2,), ((70, 5), (10, 1), (0, 9)), head_dim=80, block_size=32,
                                      page_heads=3, sink=8, recent=24),
     "graph_padding": Preset(12, 4, (0, 2), ((12, 1), (40, 1), (0, 0), (0, 0))),
+    "pooled_ring": Preset(8, 4, (0,), ((50, 30), (20, 1), (0, 9)), ring_host=(3, 37)),
+    "pooled_ring_streaming_layer": Preset(6, 3, (), ((33, 20), (45, 1), (0, 24)), ring_host=(2, 5)),
 }
 
 # Full shapes for CUDA: Llama-3.1-8B heads (GQA 4), half the KV heads retrieval, long rings.
@@ -93,6 +96,7 @@ class Case:
     seq_lens: list[int]
     scale: float
     device: torch.device = field(default=CPU)
+    ring: torch.Tensor | None = None  # another layer's cache holding the ring; None: in `cache`
 
     @property
     def qsl(self) -> torch.Tensor:
@@ -105,12 +109,21 @@ class Case:
     def poisoned_output(self) -> torch.Tensor:
         return torch.full_like(self.query, float("nan"))
 
-    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference output and the cache after the step (the case's own cache stays untouched)."""
-        cache, out = self.cache.clone(), torch.zeros_like(self.query)
+    def fresh_caches(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copies of the cache and the ring cache (None when the ring is in the cache) before the step."""
+        return self.cache.clone(), None if self.ring is None else self.ring.clone()
+
+    def reference(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Reference output and the caches after the step (the case's own caches stay untouched)."""
+        (cache, ring), out = self.fresh_caches(), torch.zeros_like(self.query)
         duo_attention(self.query, self.key, self.value, cache, self.heads, self.query_start_loc, self.seq_lens,
-                      self.block_table, self.scale, out)
-        return out, cache
+                      self.block_table, self.scale, out, ring_cache=ring)
+        return out, (cache, ring)
+
+
+def assert_caches_equal(caches, expected) -> None:
+    for got, want in zip(caches, expected):
+        assert (got is None and want is None) or torch.equal(got, want)
 
 
 def fused_qkv(num_tokens: int, p: Preset, dtype, device):
@@ -122,8 +135,10 @@ def fused_qkv(num_tokens: int, p: Preset, dtype, device):
 def make_case(p: Preset, dtype=torch.float32, device=CPU) -> Case:
     R, S = len(p.retrieval), p.num_kv_heads - len(p.retrieval)
     P = p.page_heads or max(R, 1)
-    E = -(-(p.sink + p.recent) * S // (p.block_size * P)) if S else 0
-    heads = LayerHeads.build(list(p.retrieval), p.num_kv_heads, p.num_heads, P, E, p.sink, p.recent, device=device)
+    ring_heads, ring_offset = p.ring_host or (P, 0)
+    E = -(-(ring_offset + (p.sink + p.recent) * S) // (p.block_size * ring_heads)) if S else 0
+    heads = LayerHeads.build(list(p.retrieval), p.num_kv_heads, p.num_heads, E, p.sink, p.recent, ring_offset,
+                             device=device)
     seq_lens = [c + n for c, n in p.requests]
     counts = [E + -(-s // p.block_size) if s else 0 for s in seq_lens]
     num_blocks = 1 + sum(counts) + 3  # block 0 stays unused, a few spare blocks
@@ -134,6 +149,9 @@ def make_case(p: Preset, dtype=torch.float32, device=CPU) -> Case:
         ids = ids[n:]
     table = table.to(device)
     cache = torch.randn(num_blocks, 2, p.block_size, P, p.head_dim, dtype=dtype, device=device)
+    ring = None
+    if p.ring_host:
+        ring = torch.randn(num_blocks, 2, p.block_size, ring_heads, p.head_dim, dtype=dtype, device=device)
     scale = p.head_dim ** -0.5
 
     cached = [c for c, _ in p.requests]
@@ -142,12 +160,12 @@ def make_case(p: Preset, dtype=torch.float32, device=CPU) -> Case:
         starts = [0]
         for c in cached:
             starts.append(starts[-1] + c)
-        duo_attention(q, k, v, cache, heads, starts, cached, table, scale, torch.empty_like(q))
+        duo_attention(q, k, v, cache, heads, starts, cached, table, scale, torch.empty_like(q), ring_cache=ring)
     starts = [0]
     for _, n in p.requests:
         starts.append(starts[-1] + n)
     q, k, v = fused_qkv(starts[-1], p, dtype, device)
-    return Case(p, heads, cache, table, q, k, v, starts, seq_lens, scale, device)
+    return Case(p, heads, cache, table, q, k, v, starts, seq_lens, scale, device, ring)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
@@ -165,18 +183,21 @@ def decode_rows(case: Case) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=case.device)
 
 
-def run_duo(case: Case, cache: torch.Tensor, max_num_splits: int | None = None) -> torch.Tensor:
+def run_duo(case: Case, cache: torch.Tensor, max_num_splits: int | None = None,
+            ring: torch.Tensor | None = None) -> torch.Tensor:
     out = case.poisoned_output()
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
     duo_attention_triton(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits)
+                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits, ring_cache=ring)
     return out
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_cache_write(name):
     case = make_case(PRESETS[name])
-    ref, cache = case.cache.clone(), case.cache.clone()
+    ref, ref_ring = case.fresh_caches()
+    cache, ring = case.fresh_caches()
+    ref_ring_or_cache = ref if ref_ring is None else ref_ring
     heads, E = case.heads, case.heads.streaming_blocks
     for i, seq_len in enumerate(case.seq_lens):
         start, end = case.query_start_loc[i], case.query_start_loc[i + 1]
@@ -184,13 +205,13 @@ def test_cache_write(name):
         k, v, row = case.key[start:end], case.value[start:end], case.block_table[i].long()
         write_retrieval(ref, row[E:], positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv])
         if heads.num_streaming:
-            write_streaming(ref, row[:E], positions, k[:, heads.streaming_kv], v[:, heads.streaming_kv], seq_len,
-                            heads.sink, heads.recent)
+            write_streaming(ref_ring_or_cache, row[:E], positions, k[:, heads.streaming_kv],
+                            v[:, heads.streaming_kv], seq_len, heads.sink, heads.recent, heads.ring_offset)
     write_retrieval_kv(case.key, case.value, cache, heads.retrieval_kv, case.qsl, case.sl, case.block_table, E)
     if heads.num_streaming:
-        write_streaming_kv(case.key, case.value, cache, heads.streaming_kv, case.qsl, case.sl, case.block_table,
-                           heads.sink, heads.recent)
-    assert torch.equal(cache, ref)
+        write_streaming_kv(case.key, case.value, cache if ring is None else ring, heads.streaming_kv, case.qsl,
+                           case.sl, case.block_table, heads.sink, heads.recent, heads.ring_offset)
+    assert_caches_equal((cache, ring), (ref, ref_ring))
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -198,11 +219,11 @@ def test_prefill_kernel(name):
     """The prefill kernel alone serves any query length (min_query_len=1), decode requests included."""
     case = make_case(PRESETS[name])
     ref, _ = case.reference()
-    cache, out = case.cache.clone(), case.poisoned_output()
+    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
     write_retrieval_kv(case.key, case.value, cache, case.heads.retrieval_kv, case.qsl, case.sl, case.block_table,
                        case.heads.streaming_blocks)
     prefill_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                      case.scale, out)
+                      case.scale, out, ring_cache=ring)
     assert_close(out, ref, torch.float32)
 
 
@@ -211,9 +232,9 @@ def test_prefill_kernel_streaming_only(name):
     """With the retrieval heads left to FlashAttention, the kernel writes the streaming heads and nothing else."""
     case = make_case(PRESETS[name])
     ref, _ = case.reference()
-    cache, out = case.cache.clone(), case.poisoned_output()
+    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
     prefill_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                      case.scale, out, streaming_only=True)
+                      case.scale, out, streaming_only=True, ring_cache=ring)
     streaming_q = case.heads.streaming_q
     if streaming_q.numel():
         assert_close(out[:, streaming_q], ref[:, streaming_q], torch.float32)
@@ -229,11 +250,11 @@ def test_decode_kernel(name, splits):
     if rows.numel() == 0:
         pytest.skip("no decode requests in this batch")
     ref, _ = case.reference()
-    cache, out = case.cache.clone(), case.poisoned_output()
+    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
     write_retrieval_kv(case.key, case.value, cache, case.heads.retrieval_kv, case.qsl, case.sl, case.block_table,
                        case.heads.streaming_blocks)
     decode_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                     case.scale, out, splits)
+                     case.scale, out, splits, ring_cache=ring)
     assert_close(out[rows], ref[rows], torch.float32)
     others = torch.ones(out.shape[0], dtype=torch.bool)
     others[rows] = False
@@ -243,19 +264,30 @@ def test_decode_kernel(name, splits):
 @pytest.mark.parametrize("name", PRESETS)
 def test_duo_attention_triton(name):
     case = make_case(PRESETS[name])
-    ref, ref_cache = case.reference()
-    cache = case.cache.clone()
-    out = run_duo(case, cache, max_num_splits=2)
+    ref, ref_caches = case.reference()
+    cache, ring = case.fresh_caches()
+    out = run_duo(case, cache, max_num_splits=2, ring=ring)
     assert_close(out, ref, torch.float32)
-    assert torch.equal(cache, ref_cache)
+    assert_caches_equal((cache, ring), ref_caches)
+
+
+def test_layer_without_pages_reads_only_its_ring():
+    """A layer with no retrieval heads gets a stub cache (kv_cache.py): only the pooled ring is touched."""
+    case = make_case(PRESETS["pooled_ring_streaming_layer"])
+    ref, ref_caches = case.reference()
+    stub = torch.zeros(case.cache.shape[0], 2, case.preset.block_size, 1, 1)
+    _, ring = case.fresh_caches()
+    out = run_duo(case, stub, ring=ring)
+    assert_close(out, ref, torch.float32)
+    assert torch.equal(ring, ref_caches[1]) and not stub.any()
 
 
 def test_duo_attention_triton_fp16():
     case = make_case(PRESETS["chunked_mixed"], dtype=torch.float16)
-    ref, ref_cache = case.reference()
-    cache = case.cache.clone()
+    ref, ref_caches = case.reference()
+    cache, _ = case.fresh_caches()
     assert_close(run_duo(case, cache, max_num_splits=2), ref, torch.float16)
-    assert torch.equal(cache, ref_cache)
+    assert torch.equal(cache, ref_caches[0])
 
 
 @pytest.mark.parametrize("chunks", [(23, 23, 23, 1, 1, 1), (5, 40, 1, 1, 30, 1)])
@@ -292,12 +324,12 @@ CUDA = torch.device("cuda")
 @pytest.mark.parametrize("name", list(GPU_PRESETS) + list(PRESETS))
 def test_duo_attention_triton_cuda(name, dtype):
     case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=dtype, device=CUDA)
-    ref, ref_cache = case.reference()
-    cache = case.cache.clone()
-    out = run_duo(case, cache)
+    ref, ref_caches = case.reference()
+    cache, ring = case.fresh_caches()
+    out = run_duo(case, cache, ring=ring)
     torch.cuda.synchronize()
     assert_close(out, ref, dtype)
-    assert torch.equal(cache, ref_cache)
+    assert_caches_equal((cache, ring), ref_caches)
 
 
 @pytest.mark.gpu
@@ -323,6 +355,6 @@ def test_decode_cuda_graph():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, ref_cache = case.reference()  # case.cache is the state before the step
+        ref, ref_caches = case.reference()  # case.cache is the state before the step
         assert_close(out, ref, torch.bfloat16)
-        assert torch.equal(cache, ref_cache)
+        assert torch.equal(cache, ref_caches[0])

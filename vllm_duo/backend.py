@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 from vllm_duo.config import plan_from_vllm_config
 from vllm_duo.kernels.attention import duo_attention_triton
 from vllm_duo.kernels.reference import LayerHeads, duo_attention
-from vllm_duo.kv_cache import DuoAttentionSpec, plan_page_layout
+from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec, plan_page_layout
 
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
 FORCE_TORCH_PATH = os.environ.get("VLLM_DUO_ATTENTION", "triton") == "torch"
@@ -78,14 +78,16 @@ class DuoAttentionBackend(AttentionBackend):
         """The duo cache spec of one attention layer (vLLM asks the layer; plugin.py routes it here)."""
         plan = plan_from_vllm_config(vllm_config)
         block_size = vllm_config.cache_config.block_size
-        layout = plan_page_layout(plan.retrieval_counts, plan.shape.num_kv_heads, plan.sink, plan.recent,
-                                  block_size, vllm_config.model_config.max_model_len)
+        layout = plan_page_layout(plan.retrieval_counts, plan.shape.num_kv_heads, plan.sink, plan.recent, block_size)
         index = extract_layer_index(layer.layer_name)
         retrieval = plan.retrieval_counts[index]
+        pages = layout.page_heads[index]
+        # A layer without pages (no retrieval heads, its ring elsewhere) still needs a page: vLLM divides
+        # by the page size. A one-element-per-row stub costs 1/head_dim of one head.
         return DuoAttentionSpec(
             block_size=block_size,
-            num_kv_heads=layout.page_heads[index],
-            head_size=layer.head_size,
+            num_kv_heads=pages or 1,
+            head_size=layer.head_size if pages else STUB_HEAD_SIZE,
             dtype=layer.kv_cache_torch_dtype,
             num_retrieval_heads=retrieval,
             num_streaming_heads=plan.shape.num_kv_heads - retrieval,
@@ -154,17 +156,31 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.attn_type = attn_type
         self.vllm_config = get_current_vllm_config()  # set while vLLM builds the model
         self.heads: LayerHeads | None = None
+        self.ring_layer: str | None = None
 
-    def _layer_heads(self, layer, kv_cache: torch.Tensor) -> LayerHeads:
-        """Resolve this layer's head maps on first use: the impl learns its layer from `layer`."""
+    def _layer_heads(self, layer) -> LayerHeads:
+        """Resolve this layer's head maps and ring host on first use: the impl learns its layer from `layer`."""
         if self.heads is None:
             plan = plan_from_vllm_config(self.vllm_config)
             index = extract_layer_index(layer.layer_name)
-            spec = DuoAttentionBackend.kv_cache_spec(layer, self.vllm_config)
+            layout = plan_page_layout(plan.retrieval_counts, plan.shape.num_kv_heads, plan.sink, plan.recent,
+                                      self.vllm_config.cache_config.block_size)
+            ring = layout.rings[index]
+            if ring is not None:
+                layers = self.vllm_config.compilation_config.static_forward_context
+                self.ring_layer = next(name for name, module in layers.items()
+                                       if isinstance(getattr(module, "impl", None), DuoAttentionImpl)
+                                       and extract_layer_index(name) == ring.host)
             self.heads = LayerHeads.build(plan.retrieval_heads(index), self.num_kv_heads, self.num_heads,
-                                          spec.num_kv_heads, spec.streaming_blocks, plan.sink, plan.recent,
-                                          device=kv_cache.device)
+                                          layout.streaming_blocks, plan.sink, plan.recent,
+                                          ring.offset if ring else 0, device=layer.kv_cache.device)
         return self.heads
+
+    def _ring_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache whose streaming blocks hold this layer's ring (kv_cache.py pools them across layers)."""
+        if self.ring_layer is None:
+            return kv_cache
+        return self.vllm_config.compilation_config.static_forward_context[self.ring_layer].kv_cache
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: DuoAttentionMetadata | None, output: torch.Tensor,
@@ -174,7 +190,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         Args:
             query: `[num_tokens, num_heads, head_size]`
             key, value: `[num_tokens, num_kv_heads, head_size]`
-            kv_cache: `[num_blocks, 2, block_size, P, head_size]`
+            kv_cache: `[num_blocks, 2, block_size, P, head_size]` (a stub if the layer has no pages)
             output: `[num_tokens, num_heads * head_size]`
         """
         if output_scale is not None or output_block_scale is not None:
@@ -183,15 +199,16 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             return output
         m = attn_metadata
         n = m.num_actual_tokens
-        heads = self._layer_heads(layer, kv_cache)
+        heads = self._layer_heads(layer)
+        ring_cache = self._ring_cache(kv_cache)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         if kv_cache.is_cuda and not FORCE_TORCH_PATH:
             duo_attention_triton(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
-                                 out, m.max_query_len, m.max_seq_len)
+                                 out, m.max_query_len, m.max_seq_len, ring_cache=ring_cache)
         else:
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
-                          self.scale, out)
+                          self.scale, out, ring_cache=ring_cache)
         return output

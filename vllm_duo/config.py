@@ -115,8 +115,7 @@ class DuoPlan:
         """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts."""
         from vllm_duo.kv_cache import plan_page_layout
 
-        layout = plan_page_layout(self.retrieval_counts, self.shape.num_kv_heads, self.sink, self.recent, block_size,
-                                  num_tokens)
+        layout = plan_page_layout(self.retrieval_counts, self.shape.num_kv_heads, self.sink, self.recent, block_size)
         paged = layout.bytes_per_request(num_tokens, block_size, self.shape.head_dim, dtype_bytes)
         return self.kv_bytes_per_token(dtype_bytes)[0] * num_tokens / paged
 

@@ -9,16 +9,22 @@ break. So duo keeps ONE group and puts both kinds of storage in the same blocks:
     block table row of a request:  [ s_0 ... s_{E-1} | r_0 r_1 r_2 ... ]
                                      streaming ring     retrieval pages, one per block_size tokens
 
-* Every layer's page holds `P_l = num_kv_heads` (of the spec) head slots per token row:
+* A layer's page holds `P_l = R_l` head slots per token row (`num_kv_heads` of its spec):
   `cache[block, kv, token, head, dim]`, shape `[num_blocks, 2, block_size, P_l, head_dim]`.
 * Retrieval KV head r (0 <= r < R_l) of position p lives at
   `cache[table[E + p // bs], :, p % bs, r]`.
-* The E streaming blocks, flattened to `E * bs * P_l` head slots, hold the ring
-  `[W = sink + recent, S_l]`: slot j of streaming head s is flat index `j * S_l + s`.
-  Position p goes to slot `p` if p < sink else `sink + (p - sink) % recent`.
+* Streaming rings are pooled across layers. Layer l's ring `[W = sink + recent, S_l]` lives
+  in the E streaming blocks of a host layer h (R_h > 0, possibly l itself), flattened to
+  `E * bs * P_h` cells, from cell `offset_l` on: slot j of streaming head s is cell
+  `offset_l + j * S_l + s`. Position p goes to slot `p` if p < sink else
+  `sink + (p - sink) % recent`.
+* A layer with R_l = 0 has no pages of its own. vLLM divides by every layer's page size, so
+  its spec is a stub of one element per token row (1/head_dim of a head).
 
-E and P_l are chosen once per model (`plan_page_layout`): P_l >= R_l so a retrieval row fits,
-and E * bs * P_l >= W * S_l so the ring fits. The scheduler reserves the E blocks when a
+Pooling makes a request cost (ceil(T / bs) + E) * bs * sum_l R_l head rows, with E close to
+W * sum_l S_l / (bs * sum_l R_l): the KV of the retrieval heads plus the rings, nothing else
+(`plan_page_layout`). Without it a layer with few or no retrieval heads would need wide pages
+for its ring in every token block. The scheduler reserves the E blocks when a
 request first gets blocks (`DuoKVCacheManager`), frees them with the rest on finish, abort or
 preemption, and vLLM's own "Maximum concurrency" counts them (`DuoAttentionSpec`).
 Prefix caching is turned off: streaming rings are per request and cannot be shared.
@@ -27,6 +33,7 @@ Prefix caching is turned off: streaming rings are per request and cannot be shar
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 from vllm.utils.math_utils import cdiv
@@ -87,47 +94,71 @@ class DuoKVCacheManager(FullAttentionManager):
         return sum(len(blocks) for blocks in self.req_to_blocks.values())
 
 
+STUB_HEAD_SIZE = 1  # head_size of the spec of a layer without pages (see `DuoAttentionBackend.kv_cache_spec`)
+
+
+@dataclass(frozen=True)
+class RingPlacement:
+    """Where one layer's streaming ring lives: `offset` cells into the E streaming blocks of layer `host`."""
+
+    host: int
+    offset: int
+
+
 @dataclass(frozen=True)
 class PageLayout:
-    """Per-layer page head slots P_l and the shared number E of streaming blocks per request."""
+    """Per-layer page head slots P_l (0: no pages), the shared E, and each layer's ring placement."""
 
     page_heads: tuple[int, ...]
     streaming_blocks: int
+    rings: tuple[RingPlacement | None, ...]
 
     def bytes_per_request(self, num_tokens: int, block_size: int, head_dim: int, dtype_bytes: int) -> int:
         blocks = cdiv(num_tokens, block_size) + self.streaming_blocks
-        return blocks * block_size * sum(self.page_heads) * 2 * head_dim * dtype_bytes
+        row = sum(p * head_dim if p else STUB_HEAD_SIZE for p in self.page_heads)
+        return blocks * block_size * 2 * row * dtype_bytes
 
 
-def _page_heads(retrieval: list[int], streaming: list[int], ring: int, block_size: int, blocks: int) -> list[int]:
-    heads = []
-    for r, s in zip(retrieval, streaming):
-        need_ring = cdiv(ring * s, block_size * blocks) if s else 0
-        heads.append(max(r, need_ring, 1))
-    return heads
+def _place_rings(ring_cells: list[int], host_cells: list[int]) -> list[RingPlacement | None] | None:
+    """Best-fit decreasing: each ring into the fullest host it still fits; None if some ring fits nowhere."""
+    used = [0] * len(host_cells)
+    rings: list[RingPlacement | None] = [None] * len(ring_cells)
+    for layer in sorted(range(len(ring_cells)), key=lambda i: -ring_cells[i]):
+        if not ring_cells[layer]:
+            continue
+        fits = [h for h, cap in enumerate(host_cells) if cap and cap - used[h] >= ring_cells[layer]]
+        if not fits:
+            return None
+        host = min(fits, key=lambda h: host_cells[h] - used[h])
+        rings[layer] = RingPlacement(host, used[host])
+        used[host] += ring_cells[layer]
+    return rings
 
 
-def plan_page_layout(
-    retrieval_counts: list[int], num_kv_heads: int, sink: int, recent: int, block_size: int, max_model_len: int
-) -> PageLayout:
-    """Choose E and P_l that minimise the KV bytes of a request of max_model_len tokens.
+@functools.cache
+def _plan(retrieval_counts: tuple[int, ...], num_kv_heads: int, ring: int, block_size: int) -> PageLayout:
+    page_heads = list(retrieval_counts)
+    if not any(page_heads):
+        page_heads[0] = 1  # no retrieval head anywhere: layer 0 keeps one head slot per row to hold the rings
+    ring_cells = [ring * (num_kv_heads - r) for r in retrieval_counts]
+    if not any(ring_cells):
+        return PageLayout(tuple(page_heads), 0, (None,) * len(page_heads))
+    blocks = cdiv(sum(ring_cells), block_size * sum(page_heads))
+    while (rings := _place_rings(ring_cells, [blocks * block_size * p for p in page_heads])) is None:
+        blocks += 1
+    return PageLayout(tuple(page_heads), blocks, tuple(rings))
 
-    Memory per request is (ceil(T / bs) + E) * bs * sum_l P_l(E), with
-    P_l(E) = max(R_l, ceil(W * S_l / (bs * E)), 1): more streaming blocks mean thinner pages.
+
+def plan_page_layout(retrieval_counts: list[int], num_kv_heads: int, sink: int, recent: int,
+                     block_size: int) -> PageLayout:
+    """Pages sized for the retrieval heads only (P_l = R_l) and the fewest ring blocks E that hold every ring.
+
+    Memory per request is (ceil(T / bs) + E) * bs * sum_l P_l, the least the one-group layout
+    allows: all layers' rings (W * S_l cells each) are packed into the E streaming blocks of the
+    layers with pages, E = ceil(W * sum S_l / (bs * sum R_l)) or a block or two more where the
+    rings do not pack exactly.
     """
-    streaming = [num_kv_heads - r for r in retrieval_counts]
-    ring = sink + recent
-    if not any(streaming):
-        return PageLayout(tuple(max(r, 1) for r in retrieval_counts), 0)
-    token_blocks = cdiv(max_model_len, block_size)
-    best = None
-    max_blocks = cdiv(ring * num_kv_heads, block_size)  # enough for one head slot per row everywhere
-    for blocks in range(1, max_blocks + 1):
-        heads = _page_heads(retrieval_counts, streaming, ring, block_size, blocks)
-        cost = (token_blocks + blocks) * sum(heads)
-        if best is None or cost < best[0]:
-            best = (cost, PageLayout(tuple(heads), blocks))
-    return best[1]
+    return _plan(tuple(retrieval_counts), num_kv_heads, sink + recent, block_size)
 
 
 def ring_slot(position: int, sink: int, recent: int) -> int:
