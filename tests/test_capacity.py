@@ -23,7 +23,7 @@ def test_reported_concurrency_matches_layout(smollm2_dir, sparsity, at_least):
     duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": sparsity, "sink": SINK, "recent": RECENT}
     dense, duo_cap = capacity.compare(smollm2_dir, MAX_MODEL_LEN, duo)
     counts = HeadPattern.load(find_bundled("SmolLM2-135M-Instruct")).retrieval_counts(sparsity)
-    layout = plan_page_layout(counts, KV_HEADS, SINK, RECENT, BLOCK)
+    layout = plan_page_layout(tuple(counts), tuple(KV_HEADS - c for c in counts), SINK, RECENT, BLOCK)
     dense_bytes = MAX_MODEL_LEN * LAYERS * KV_HEADS * 2 * HEAD_DIM
     predicted = dense_bytes / layout.bytes_per_request(MAX_MODEL_LEN, BLOCK, HEAD_DIM, 1)
     measured = duo_cap.max_concurrency / dense.max_concurrency
@@ -38,7 +38,7 @@ def test_pooled_rings_fit_their_hosts_without_overlap(seed):
     layers, kv_heads, block = rng.randint(1, 12), rng.randint(1, 8), rng.choice([16, 32])
     sink, recent = rng.randint(0, 40), rng.randint(1, 300)
     counts = [rng.randint(0, kv_heads) for _ in range(layers)]
-    layout = plan_page_layout(counts, kv_heads, sink, recent, block)
+    layout = plan_page_layout(tuple(counts), tuple(kv_heads - c for c in counts), sink, recent, block)
     assert [p for p in layout.page_heads if p] == [r for r in counts if r] or not any(counts)
     used = {}
     for layer, ring in enumerate(layout.rings):

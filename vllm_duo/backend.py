@@ -4,7 +4,8 @@
 Head grouping uses index maps (`LayerHeads`) instead of reordering q/k/v/o weights: vLLM 0.26
 hands a backend neither the projections nor a post-load hook that sees them, and index maps
 leave weight loading, quantization and TP sharding untouched. The PyTorch path gathers heads;
-the Triton kernels take the maps as arguments and read each head in place.
+the Triton kernels take the maps as arguments and read each head in place. Under tensor
+parallelism each rank maps the KV heads it holds (`DuoPlan.retrieval_heads(layer, rank, tp)`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -28,7 +30,7 @@ from vllm.v1.attention.backend import (
 from vllm_duo.config import plan_from_vllm_config
 from vllm_duo.kernels.attention import duo_attention_triton
 from vllm_duo.kernels.reference import LayerHeads, duo_attention
-from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec, plan_page_layout
+from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
 FORCE_TORCH_PATH = os.environ.get("VLLM_DUO_ATTENTION", "triton") == "torch"
@@ -78,10 +80,8 @@ class DuoAttentionBackend(AttentionBackend):
         """The duo cache spec of one attention layer (vLLM asks the layer; plugin.py routes it here)."""
         plan = plan_from_vllm_config(vllm_config)
         block_size = vllm_config.cache_config.block_size
-        layout = plan_page_layout(plan.retrieval_counts, plan.shape.num_kv_heads, plan.sink, plan.recent, block_size)
-        index = extract_layer_index(layer.layer_name)
-        retrieval = plan.retrieval_counts[index]
-        pages = layout.page_heads[index]
+        layout = plan.page_layout(block_size, vllm_config.parallel_config.tensor_parallel_size)
+        pages = layout.page_heads[extract_layer_index(layer.layer_name)]
         # A layer without pages (no retrieval heads, its ring elsewhere) still needs a page: vLLM divides
         # by the page size. A one-element-per-row stub costs 1/head_dim of one head.
         return DuoAttentionSpec(
@@ -89,8 +89,6 @@ class DuoAttentionBackend(AttentionBackend):
             num_kv_heads=pages or 1,
             head_size=layer.head_size if pages else STUB_HEAD_SIZE,
             dtype=layer.kv_cache_torch_dtype,
-            num_retrieval_heads=retrieval,
-            num_streaming_heads=plan.shape.num_kv_heads - retrieval,
             sink=plan.sink,
             recent=plan.recent,
             streaming_blocks=layout.streaming_blocks,
@@ -163,16 +161,17 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         if self.heads is None:
             plan = plan_from_vllm_config(self.vllm_config)
             index = extract_layer_index(layer.layer_name)
-            layout = plan_page_layout(plan.retrieval_counts, plan.shape.num_kv_heads, plan.sink, plan.recent,
-                                      self.vllm_config.cache_config.block_size)
+            tp_size = self.vllm_config.parallel_config.tensor_parallel_size
+            layout = plan.page_layout(self.vllm_config.cache_config.block_size, tp_size)
             ring = layout.rings[index]
             if ring is not None:
                 layers = self.vllm_config.compilation_config.static_forward_context
                 self.ring_layer = next(name for name, module in layers.items()
                                        if isinstance(getattr(module, "impl", None), DuoAttentionImpl)
                                        and extract_layer_index(name) == ring.host)
-            self.heads = LayerHeads.build(plan.retrieval_heads(index), self.num_kv_heads, self.num_heads,
-                                          layout.streaming_blocks, plan.sink, plan.recent,
+            rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            self.heads = LayerHeads.build(plan.retrieval_heads(index, rank, tp_size), self.num_kv_heads,
+                                          self.num_heads, layout.streaming_blocks, plan.sink, plan.recent,
                                           ring.offset if ring else 0, device=layer.kv_cache.device)
         return self.heads
 

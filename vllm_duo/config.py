@@ -83,15 +83,36 @@ class DuoPlan:
     pattern_source: str
     shape: ModelShape
 
-    def retrieval_heads(self, layer: int) -> list[int]:
-        return [int(h) for h in np.flatnonzero(self.retrieval_mask[layer])]
+    def rank_mask(self, rank: int = 0, tp_size: int = 1) -> np.ndarray:
+        """The mask of the KV heads that tensor-parallel `rank` holds, in its local head order."""
+        return self.retrieval_mask[:, rank_kv_heads(self.shape.num_kv_heads, tp_size, rank)]
 
-    def streaming_heads(self, layer: int) -> list[int]:
-        return [int(h) for h in np.flatnonzero(~self.retrieval_mask[layer])]
+    def retrieval_heads(self, layer: int, rank: int = 0, tp_size: int = 1) -> list[int]:
+        """Local indices of the retrieval KV heads of `layer` on `rank`."""
+        return [int(h) for h in np.flatnonzero(self.rank_mask(rank, tp_size)[layer])]
 
     @property
     def retrieval_counts(self) -> list[int]:
         return [int(c) for c in self.retrieval_mask.sum(axis=1)]
+
+    def page_layout(self, block_size: int, tp_size: int = 1):
+        """The KV page layout every rank uses (kv_cache.py): vLLM needs the same specs on all TP ranks, so
+        pages are sized for the rank with the most retrieval heads in each layer, rings for the most streaming.
+        """
+        from vllm_duo.kv_cache import plan_page_layout
+
+        masks = np.stack([self.rank_mask(r, tp_size) for r in range(tp_size)])  # [ranks, layers, local heads]
+        retrieval = masks.sum(axis=2)
+        pages = tuple(int(c) for c in retrieval.max(axis=0))
+        rings = tuple(int(c) for c in (masks.shape[2] - retrieval).max(axis=0))
+        return plan_page_layout(pages, rings, self.sink, self.recent, block_size)
+
+    def tp_page_overhead(self, tp_size: int) -> float:
+        """Extra page memory from uneven retrieval counts across ranks: sum_l max_r R_lr / mean_r sum_l R_lr - 1."""
+        retrieval = np.stack([self.rank_mask(r, tp_size).sum(axis=1) for r in range(tp_size)])
+        if not retrieval.any():
+            return 0.0
+        return float(retrieval.max(axis=0).sum() / retrieval.sum(axis=1).mean() - 1.0)
 
     @property
     def retrieval_ratio(self) -> float:
@@ -111,13 +132,13 @@ class DuoPlan:
         dense, duo = self.kv_bytes_per_token(dtype_bytes)
         return dense * num_tokens / (duo * num_tokens + self.ring_bytes(dtype_bytes))
 
-    def paged_capacity_ratio(self, num_tokens: int, dtype_bytes: int, block_size: int) -> float:
-        """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts."""
-        from vllm_duo.kv_cache import plan_page_layout
-
-        layout = plan_page_layout(self.retrieval_counts, self.shape.num_kv_heads, self.sink, self.recent, block_size)
+    def paged_capacity_ratio(self, num_tokens: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> float:
+        """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts (per rank)."""
+        layout = self.page_layout(block_size, tp_size)
         paged = layout.bytes_per_request(num_tokens, block_size, self.shape.head_dim, dtype_bytes)
-        return self.kv_bytes_per_token(dtype_bytes)[0] * num_tokens / paged
+        local_heads = len(rank_kv_heads(self.shape.num_kv_heads, tp_size, 0))
+        dense = self.shape.num_layers * local_heads * 2 * self.shape.head_dim * dtype_bytes * num_tokens
+        return dense / paged
 
     def summary(self) -> str:
         return (
@@ -126,15 +147,31 @@ class DuoPlan:
             f"retrieval heads per layer {self.retrieval_counts}"
         )
 
-    def memory_summary(self, max_model_len: int, dtype_bytes: int, block_size: int) -> str:
+    def memory_summary(self, max_model_len: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> str:
         dense, duo = self.kv_bytes_per_token(dtype_bytes)
         return (
             f"duo: KV per token dense {_size(dense)} vs duo {_size(duo)} + {_size(self.ring_bytes(dtype_bytes))} "
             f"streaming ring per request ({dtype_bytes}-byte KV); expected capacity at max_model_len {max_model_len}: "
             f"{self.capacity_ratio(max_model_len, dtype_bytes):.2f}x dense ideally, "
-            f"{self.paged_capacity_ratio(max_model_len, dtype_bytes, block_size):.2f}x in duo's "
+            f"{self.paged_capacity_ratio(max_model_len, dtype_bytes, block_size, tp_size):.2f}x in duo's "
             f"{block_size}-token pages (what vLLM's Maximum concurrency counts)"
         )
+
+
+def rank_kv_heads(num_kv_heads: int, tp_size: int, rank: int) -> list[int]:
+    """The model's KV heads that tensor-parallel `rank` holds, as vLLM's QKVParallelLinear shards them:
+    contiguous slices when tp_size divides num_kv_heads, one replicated head per rank when tp_size is a multiple.
+    """
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise PatternError(f"{num_kv_heads} KV heads do not split over --tensor-parallel-size {tp_size}: "
+                               "use a size that divides the KV head count")
+        per_rank = num_kv_heads // tp_size
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    if tp_size % num_kv_heads:
+        raise PatternError(f"--tensor-parallel-size {tp_size} is not a multiple of the {num_kv_heads} KV heads: "
+                           "use a multiple or a divisor of the KV head count")
+    return [rank * num_kv_heads // tp_size]
 
 
 def _size(num_bytes: float) -> str:

@@ -45,15 +45,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 class DuoAttentionSpec(FullAttentionSpec):
     """One layer's duo cache. `num_kv_heads` is P_l, the head slots per token row of a page."""
 
-    num_retrieval_heads: int
-    num_streaming_heads: int
     sink: int
     recent: int
     streaming_blocks: int
-
-    @property
-    def ring_size(self) -> int:
-        return self.sink + self.recent
 
     def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
         return super().max_num_blocks_per_req(vllm_config, max_len) + self.streaming_blocks
@@ -136,29 +130,27 @@ def _place_rings(ring_cells: list[int], host_cells: list[int]) -> list[RingPlace
 
 
 @functools.cache
-def _plan(retrieval_counts: tuple[int, ...], num_kv_heads: int, ring: int, block_size: int) -> PageLayout:
-    page_heads = list(retrieval_counts)
-    if not any(page_heads):
-        page_heads[0] = 1  # no retrieval head anywhere: layer 0 keeps one head slot per row to hold the rings
-    ring_cells = [ring * (num_kv_heads - r) for r in retrieval_counts]
-    if not any(ring_cells):
-        return PageLayout(tuple(page_heads), 0, (None,) * len(page_heads))
-    blocks = cdiv(sum(ring_cells), block_size * sum(page_heads))
-    while (rings := _place_rings(ring_cells, [blocks * block_size * p for p in page_heads])) is None:
-        blocks += 1
-    return PageLayout(tuple(page_heads), blocks, tuple(rings))
-
-
-def plan_page_layout(retrieval_counts: list[int], num_kv_heads: int, sink: int, recent: int,
+def plan_page_layout(page_heads: tuple[int, ...], ring_heads: tuple[int, ...], sink: int, recent: int,
                      block_size: int) -> PageLayout:
-    """Pages sized for the retrieval heads only (P_l = R_l) and the fewest ring blocks E that hold every ring.
+    """Pages of `page_heads[l]` head slots (R_l) and the fewest ring blocks E that hold every layer's ring.
 
-    Memory per request is (ceil(T / bs) + E) * bs * sum_l P_l, the least the one-group layout
-    allows: all layers' rings (W * S_l cells each) are packed into the E streaming blocks of the
-    layers with pages, E = ceil(W * sum S_l / (bs * sum R_l)) or a block or two more where the
-    rings do not pack exactly.
+    `ring_heads[l]` is the streaming head count S_l whose ring of W = sink + recent slots layer l
+    needs. Memory per request is (ceil(T / bs) + E) * bs * sum_l R_l head rows, the least the
+    one-group layout allows: all rings (W * S_l cells each) are packed into the E streaming
+    blocks of the layers with pages, E = ceil(W * sum S_l / (bs * sum R_l)) or a few blocks more
+    where the rings do not pack exactly. Under tensor parallelism both are per-layer maxima over
+    the ranks, since every rank must report the same specs (`DuoPlan.page_layout`).
     """
-    return _plan(tuple(retrieval_counts), num_kv_heads, sink + recent, block_size)
+    pages = list(page_heads)
+    if not any(pages):
+        pages[0] = 1  # no retrieval head anywhere: layer 0 keeps one head slot per row to hold the rings
+    ring_cells = [(sink + recent) * s for s in ring_heads]
+    if not any(ring_cells):
+        return PageLayout(tuple(pages), 0, (None,) * len(pages))
+    blocks = cdiv(sum(ring_cells), block_size * sum(pages))
+    while (rings := _place_rings(ring_cells, [blocks * block_size * p for p in pages])) is None:
+        blocks += 1
+    return PageLayout(tuple(pages), blocks, tuple(rings))
 
 
 def ring_slot(position: int, sink: int, recent: int) -> int:

@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 from vllm_duo import BACKEND_PATH
 
 DUO_BLOCK_SIZE = 16
+TP_IMBALANCE_WARNING = 0.1  # warn when uneven retrieval counts across TP ranks cost more than 10% page memory
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 
@@ -34,8 +35,19 @@ class DuoPlatformMixin:
             plan = plan_from_vllm_config(vllm_config)
         except PatternError as error:  # a ValueError: re-raised so that pydantic does not wrap it (see DuoConfigError)
             raise DuoConfigError(str(error)) from None
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise DuoConfigError("duo runs with --tensor-parallel-size 1 for now: drop the flag or use a dense backend")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise DuoConfigError("duo pools streaming rings across all layers, so it needs --pipeline-parallel-size 1: "
+                                 "use --tensor-parallel-size to split the model instead")
+        tp_size = parallel.tensor_parallel_size
+        try:
+            overhead = plan.tp_page_overhead(tp_size)
+        except PatternError as error:
+            raise DuoConfigError(str(error)) from None
+        if overhead > TP_IMBALANCE_WARNING:
+            logger.warning("duo: the pattern's retrieval heads are unevenly split over the %d tensor-parallel ranks; "
+                           "pages sized for the busiest rank of each layer take %.0f%% more KV memory than an even "
+                           "split would", tp_size, 100 * overhead)
         cache_config = vllm_config.cache_config
         if cache_config.enable_prefix_caching:
             logger.info("duo: prefix caching disabled (streaming heads keep a per-request sink+recent ring "
@@ -47,7 +59,7 @@ class DuoPlatformMixin:
         logger.info(plan.summary())
         kv_dtype = kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, vllm_config.model_config)
         logger.info(plan.memory_summary(vllm_config.model_config.max_model_len, get_dtype_size(kv_dtype),
-                                        cache_config.block_size))
+                                        cache_config.block_size, tp_size))
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
