@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End to end on the GPU: the Triton path equals the PyTorch path, and all-retrieval duo equals FLASH_ATTN."""
+"""End to end on the GPU: the Triton path equals the PyTorch path, CUDA graphs equal eager, and all-retrieval duo
+equals FLASH_ATTN."""
 
 import gc
 import os
@@ -18,8 +19,8 @@ from vllm import LLM, SamplingParams, TokensPrompt
 sys.path.insert(0, "tests")
 from engines import text_of_tokens
 from transformers import AutoTokenizer
-model, backend, duo = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-kw = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=True, dtype="bfloat16",
+model, backend, duo, eager = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "eager"
+kw = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=eager, dtype="bfloat16",
           max_num_batched_tokens=256)
 if backend:
     kw["attention_backend"] = backend
@@ -36,11 +37,12 @@ print("GAPS", json.dumps(gaps))
 """
 
 
-def generate(model, backend, duo, **env):
+def generate(model, backend, duo, eager=True, **env):
     """Each engine in its own process: a clean CUDA context and the env var read at import."""
     import json
 
-    result = subprocess.run([sys.executable, "-c", GENERATE, model, backend or "", json.dumps(duo)],
+    result = subprocess.run([sys.executable, "-c", GENERATE, model, backend or "", json.dumps(duo),
+                             "eager" if eager else "graphs"],
                             env=dict(os.environ, **env), capture_output=True, text=True, timeout=600)
     found = {l.split(" ", 1)[0]: json.loads(l.split(" ", 1)[1]) for l in result.stdout.splitlines()
              if l.startswith(("TOKENS ", "GAPS "))}
@@ -75,3 +77,9 @@ def test_triton_path_equals_torch_path(model, tmp_path):
 def test_all_retrieval_equals_flash_attn(model, tmp_path):
     duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.0}
     assert_same_greedy(generate(model, "duo", duo), generate(model, "FLASH_ATTN", None))
+
+
+def test_cuda_graphs_equal_eager(model, tmp_path):
+    """Decode batches replay full CUDA graphs (UNIFORM_SINGLE_TOKEN_DECODE); the tokens must not change."""
+    duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
+    assert_same_greedy(generate(model, "duo", duo, eager=False), generate(model, "duo", duo))

@@ -100,7 +100,8 @@ class DuoAttentionMetadata:
     """Per-step batch description, shared by all layers.
 
     `block_table` rows are `[E streaming blocks | retrieval blocks]` (kv_cache.py). The kernels
-    read the device tensors; the PyTorch path (CPU) reads the host lists.
+    read the device tensors; the PyTorch path (CPU) reads the host lists. `max_seq_len` bounds
+    the batch's seq_lens: max_model_len in decode-only batches (see the builder).
     """
 
     num_actual_tokens: int
@@ -114,10 +115,24 @@ class DuoAttentionMetadata:
 
 
 class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]):
-    _cudagraph_support = AttentionCGSupport.NEVER
+    """Batch metadata; decode-only batches may run in full CUDA graphs.
+
+    In a decode-only batch the Triton path launches only fixed-grid kernels that read the batch from
+    device tensors (kernels/decode.py). The one host-side choice, the number of context splits,
+    follows max_seq_len, which a captured graph would freeze at its capture value: decode batches
+    therefore size it for max_model_len (splits past a request's context exit at once).
+    """
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.max_model_len = vllm_config.model_config.max_model_len
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> DuoAttentionMetadata:
+        metadata = self.build(0, common_attn_metadata)
+        metadata.seq_lens.fill_(1)  # as vLLM's Triton backend: warm-up runs need not read max_model_len keys
+        return metadata
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DuoAttentionMetadata:
@@ -127,7 +142,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         return DuoAttentionMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             max_query_len=cam.max_query_len,
-            max_seq_len=cam.max_seq_len,
+            max_seq_len=self.max_model_len if cam.max_query_len == 1 else cam.max_seq_len,
             query_start_loc=cam.query_start_loc[: num_reqs + 1],
             seq_lens=cam.seq_lens[:num_reqs],
             block_table=cam.block_table_tensor[:num_reqs],
