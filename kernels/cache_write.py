@@ -144,6 +144,19 @@ def check_ring(cache: torch.Tensor, ring_cache: torch.Tensor) -> None:
                          f"blocks, block size, head_dim and dtype of the layer's cache {tuple(cache.shape)} {cache.dtype}")
 
 
+def check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+                    cache: torch.Tensor, ring_cache: torch.Tensor | None, recent: int, has_streaming: bool,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Check an attention call's inputs (prefill.py, decode.py); returns the ring cache (`cache` when None)."""
+    ring_cache = cache if ring_cache is None else ring_cache
+    check_tokens(cache, query, key, value, output)
+    check_ring(cache, ring_cache)
+    check_batch(query_start_loc, seq_lens, block_table, cache.device)
+    if has_streaming and recent < 1:
+        raise ValueError(f"recent must be >= 1, got {recent}")
+    return ring_cache
+
+
 def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, streaming_blocks, ring_offset, sink,
            recent, streaming):
     check_tokens(cache, key, value)

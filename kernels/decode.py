@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import check_batch, check_ring, check_tokens
+from vllm_duo.kernels.cache_write import check_attention
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, streaming_tiles
 from vllm_duo.kernels.reference import LayerHeads
 
@@ -152,12 +152,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 skips the merge.
         ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
     """
-    ring_cache = cache if ring_cache is None else ring_cache
-    check_tokens(cache, query, key, value, output)
-    check_ring(cache, ring_cache)
-    check_batch(query_start_loc, seq_lens, block_table, cache.device)
-    if heads.num_streaming and heads.recent < 1:
-        raise ValueError(f"recent must be >= 1, got {heads.recent}")
+    ring_cache = check_attention(query, key, value, output, cache, ring_cache, heads.recent, heads.num_streaming > 0,
+                                 query_start_loc, seq_lens, block_table)
     num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
     if query.shape[0] == 0 or num_reqs == 0 or R + S == 0:
         return

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import check_batch, check_ring, check_tokens, find_request, retrieval_rows, ring_rows
+from vllm_duo.kernels.cache_write import check_attention, find_request, retrieval_rows, ring_rows
 from vllm_duo.kernels.reference import LayerHeads
 
 LOG2E = 1.4426950408889634
@@ -217,12 +217,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
         ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
     """
-    ring_cache = cache if ring_cache is None else ring_cache
-    check_tokens(cache, query, key, value, output)
-    check_ring(cache, ring_cache)
-    check_batch(query_start_loc, seq_lens, block_table, cache.device)
-    if heads.num_streaming and heads.recent < 1:
-        raise ValueError(f"recent must be >= 1, got {heads.recent}")
+    ring_cache = check_attention(query, key, value, output, cache, ring_cache, heads.recent, heads.num_streaming > 0,
+                                 query_start_loc, seq_lens, block_table)
     num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
     head_offset = heads.num_retrieval if streaming_only else 0
     num_heads = heads.num_retrieval + heads.num_streaming - head_offset

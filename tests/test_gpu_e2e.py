@@ -2,7 +2,6 @@
 """End to end on the GPU: the Triton path equals the PyTorch path, CUDA graphs equal eager, and all-retrieval duo
 equals FLASH_ATTN."""
 
-import gc
 import os
 import subprocess
 import sys

@@ -14,6 +14,16 @@ from vllm_duo.pattern import PatternError
 _Subparsers = argparse._SubParsersAction
 
 
+def _add_pattern_file_args(parser: argparse.ArgumentParser, date_default: str = "today",
+                           license_help: str = "license of the model, e.g. Apache-2.0") -> None:
+    """Options of the commands that write a pattern JSON: its model names and provenance."""
+    parser.add_argument("--name", help="model name (default: the folder name)")
+    parser.add_argument("--alias", action="append", default=[], dest="aliases", metavar="NAME",
+                        help="another name that finds this pattern, e.g. a Hugging Face repo id (repeatable)")
+    parser.add_argument("--date", help=f"provenance date, YYYY-MM-DD (default: {date_default})")
+    parser.add_argument("--license", help=license_help)
+
+
 def _add_pattern_commands(commands: _Subparsers) -> None:
     pattern = commands.add_parser("pattern", help="convert, inspect and check head-pattern files",
                                   description="Convert, inspect and check DuoAttention head-pattern files.")
@@ -26,9 +36,6 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
                     "config.json) to a vllm-duo pattern JSON, keeping the gates.")
     convert.add_argument("reference_dir", metavar="REFERENCE_DIR")
     convert.add_argument("-o", "--output", required=True, metavar="OUT.json")
-    convert.add_argument("--name", help="model name (default: the folder name)")
-    convert.add_argument("--alias", action="append", default=[], dest="aliases", metavar="NAME",
-                         help="another name that finds this pattern, e.g. a Hugging Face repo id (repeatable)")
     convert.add_argument("--model", metavar="MODEL_DIR", help="model folder whose config.json gives the shape")
     convert.add_argument("--architecture", help="e.g. LlamaForCausalLM (overrides --model)")
     convert.add_argument("--head-dim", type=int, help="attention head size (overrides --model)")
@@ -36,8 +43,7 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     convert.add_argument("--recent", type=int, default=256, help="recent tokens of streaming heads (default 256)")
     convert.add_argument("--sparsity", type=float, default=0.5, help="default fraction of streaming heads (0.5)")
     convert.add_argument("--source", help="provenance source (default: the training run's output_dir)")
-    convert.add_argument("--date", help="provenance date, YYYY-MM-DD (default: the TSV's modification date)")
-    convert.add_argument("--license", help="license of the gates, e.g. MIT")
+    _add_pattern_file_args(convert, "the TSV's modification date", "license of the gates, e.g. MIT")
     convert.set_defaults(handler=lambda args: pattern_report.convert(
         args.reference_dir, args.output, name=args.name, aliases=args.aliases, model_config=args.model,
         architecture=args.architecture, head_dim=args.head_dim, sink=args.sink, recent=args.recent,
@@ -86,11 +92,7 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     score.add_argument("--sink", type=int, default=64, help="sink tokens of streaming heads (default 64)")
     score.add_argument("--recent", type=int, default=256, help="recent tokens of streaming heads (default 256)")
     score.add_argument("--sparsity", type=float, default=0.5, help="default fraction of streaming heads (0.5)")
-    score.add_argument("--name", help="model name (default: the folder name)")
-    score.add_argument("--alias", action="append", default=[], dest="aliases", metavar="NAME",
-                       help="another name that finds this pattern, e.g. a Hugging Face repo id (repeatable)")
-    score.add_argument("--date", help="provenance date, YYYY-MM-DD (default: today)")
-    score.add_argument("--license", help="license of the model, e.g. Apache-2.0")
+    _add_pattern_file_args(score)
     score.set_defaults(handler=_score)
 
 
@@ -184,11 +186,7 @@ def _add_identify_command(commands: _Subparsers) -> None:
     parser.add_argument("--sparsity", type=float, default=0.5, help="the pattern's default sparsity (0.5)")
     parser.add_argument("--deploy-sink", type=int, default=64, help="the pattern's serving sink (default 64)")
     parser.add_argument("--deploy-recent", type=int, default=256, help="the pattern's serving recent (default 256)")
-    parser.add_argument("--name", help="model name (default: the folder name)")
-    parser.add_argument("--alias", action="append", default=[], dest="aliases", metavar="NAME",
-                        help="another name that finds this pattern, e.g. a Hugging Face repo id (repeatable)")
-    parser.add_argument("--date", help="provenance date, YYYY-MM-DD (default: today)")
-    parser.add_argument("--license", help="license of the model, e.g. Apache-2.0")
+    _add_pattern_file_args(parser)
     parser.set_defaults(handler=_identify)
 
 

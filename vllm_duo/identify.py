@@ -9,7 +9,6 @@ passkeys are the only numbers in the prompt, so the question tokens can only be 
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
@@ -25,12 +24,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config
-from vllm_duo.scoring import INTRO, filler_sentences
+from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
+from vllm_duo.scoring import INTRO, haystack
 
 SOURCE = "vllm-duo identify"
 _ATTENTION = "duo_gated"
-_GATE_DECIMALS = 6  # as in scoring.py: readable JSON, and thread-count float noise does not change the file
 # The multi-key versions of scoring.py's NEEDLE and QUESTION: with several keys each needs a name.
 NEEDLE = "The {ordinal} pass key is {passkey}. Remember it. {passkey} is the {ordinal} pass key."
 QUESTION = "What is the {ordinal} pass key? The {ordinal} pass key is"
@@ -115,12 +113,8 @@ def multi_passkey_prompt(tokenizer, context_len: int, rng: random.Random, num_pa
     qa = [encode(" " + QUESTION.format(ordinal=o)) + encode(" " + ANSWER.format(passkey=p))
           for o, p in zip(ordinals, passkeys)]
     budget = context_len - len(intro) - sum(map(len, needles)) - sum(map(len, qa))
-    sentences, haystack_len = [], 0
-    for sentence in map(encode, (" " + text for text in filler_sentences(rng))):
-        if haystack_len + len(sentence) > budget:
-            break
-        sentences.append(sentence)
-        haystack_len += len(sentence)
+    sentences = haystack(encode, rng, budget)
+    haystack_len = sum(map(len, sentences))
 
     # Token offset before sentence i counting intro and haystack only; a needle placed there moves by the needles
     # before it, and the last one must still end more than `recent` tokens before the first question.
@@ -334,7 +328,6 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
                   aliases: Sequence[str] = (), sparsity: float = 0.5, deploy_sink: int = 64,
                   deploy_recent: int = 256, date: str | None = None, license: str | None = None) -> HeadPattern:
     """A HeadPattern with the trained gates, deploy defaults and a provenance that names every hyperparameter."""
-    shape = read_hf_config(model_dir)
     length = (f"{settings.context_len}" if settings.min_context_len in (None, settings.context_len)
               else f"uniform in [{settings.min_context_len}, {settings.context_len}]")
     method = (
@@ -356,19 +349,9 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
              f"{result.history[0].loss:.6f}; {len(result.history)} steps in {result.wall_s:.1f} s wall; mean gate "
              f"{result.gates.mean():.4f}. Deploy sink/recent {deploy_sink}/{deploy_recent} (the reference deploys "
              "64/256); training used the sink/recent in the method.")
-    data = {
-        "schema_version": SCHEMA_VERSION,
-        "model": {"name": name or Path(model_dir).resolve().name, "aliases": list(aliases),
-                  "architecture": shape.architecture, "num_layers": shape.num_layers,
-                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
-        "gates": np.round(result.gates, _GATE_DECIMALS).tolist(),
-        "sparsity": sparsity,
-        "sink": deploy_sink,
-        "recent": deploy_recent,
-        "provenance": {"source": SOURCE, "method": method, "date": date or datetime.date.today().isoformat(),
-                       "license": license, "notes": notes},
-    }
-    return HeadPattern.model_validate(data)
+    return HeadPattern.from_gates(result.gates, model_dir, name=name, aliases=aliases, sparsity=sparsity,
+                                  sink=deploy_sink, recent=deploy_recent, source=SOURCE, method=method, notes=notes,
+                                  date=date, license=license)
 
 
 def _worker(rank: int, world_size: int, model_dir: str, settings: IdentifySettings, out: str, options: dict,

@@ -168,6 +168,28 @@ class HeadPattern(_StrictModel):
         return pattern
 
     @classmethod
+    def from_gates(cls, gates: np.ndarray, model_dir: str | Path, *, name: str | None, aliases: list[str] | tuple[str, ...],
+                   sparsity: float, sink: int, recent: int, source: str, method: str, notes: str | None,
+                   date: str | None = None, license: str | None = None) -> HeadPattern:
+        """A pattern of `gates` [layers, KV heads] for the model folder `model_dir` (shape from its config.json).
+
+        Gates keep 6 decimals: readable JSON, and float noise from thread counts does not change the file.
+        """
+        shape = read_hf_config(model_dir)
+        return cls.model_validate({
+            "schema_version": SCHEMA_VERSION,
+            "model": {"name": name or Path(model_dir).resolve().name, "aliases": list(aliases),
+                      "architecture": shape.architecture, "num_layers": shape.num_layers,
+                      "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
+            "gates": np.round(gates, 6).tolist(),
+            "sparsity": sparsity,
+            "sink": sink,
+            "recent": recent,
+            "provenance": {"source": source, "method": method, "date": date or datetime.date.today().isoformat(),
+                           "license": license, "notes": notes},
+        })
+
+    @classmethod
     def from_reference_dir(
         cls,
         folder: str | Path,

@@ -2,9 +2,8 @@
 """Head scoring without training: how much attention each KV head pays to a passkey outside its streaming window."""
 from __future__ import annotations
 
-import datetime
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from tqdm import tqdm
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config
+from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
 
 SOURCE = "vllm-duo scoring (vllm_duo/scoring.py)"
 NOTES = "first pattern by attention-mass scoring; to be replaced by a trained pattern (vllm-duo identify)"
@@ -24,9 +23,6 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
          "I will quiz you about the important information there.")
 NEEDLE = "The pass key is {passkey}. Remember it. {passkey} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
-# Stored gates are rounded so the JSON stays readable and float noise from another CPU or thread count does not
-# change the file; 1e-6 is far below the gaps that decide which heads are retrieval.
-_GATE_DECIMALS = 6
 _ATTENTION = "duo_scoring"
 
 # The haystack is drawn from these parts (12^4 sentences) rather than the classic "The grass is green. ..." repeated:
@@ -55,10 +51,16 @@ class PasskeyPrompt:
     passkey: str
 
 
-def filler_sentences(rng: random.Random) -> Iterator[str]:
-    """Endless varied haystack sentences, determined by `rng`."""
+def haystack(encode, rng: random.Random, budget: int) -> list[list[int]]:
+    """Varied haystack sentences drawn by `rng`, each encoded, as many as fit in `budget` tokens."""
+    sentences, length = [], 0
     while True:
-        yield " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) + "."
+        text = " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) + "."
+        sentence = encode(" " + text)
+        if length + len(sentence) > budget:
+            return sentences
+        sentences.append(sentence)
+        length += len(sentence)
 
 
 def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float, *, sink: int,
@@ -76,12 +78,8 @@ def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float
     intro, needle = encode(INTRO), encode(" " + NEEDLE.format(passkey=passkey))
     question, answer = encode(" " + QUESTION), encode(" " + passkey)
     budget = context_len - len(intro) - len(needle) - len(question) - len(answer)
-    sentences, haystack_len = [], 0
-    for sentence in map(encode, (" " + text for text in filler_sentences(rng))):
-        if haystack_len + len(sentence) > budget:
-            break
-        sentences.append(sentence)
-        haystack_len += len(sentence)
+    sentences = haystack(encode, rng, budget)
+    haystack_len = sum(map(len, sentences))
 
     question_start = len(intro) + haystack_len + len(needle)
     starts = np.cumsum([len(intro)] + [len(sentence) for sentence in sentences])  # before sentence i, or at the end
@@ -174,26 +172,15 @@ def score_pattern(model_dir: str | Path, *, name: str | None = None, aliases: Se
     """A HeadPattern whose gates are score_heads' scores; `name` defaults to the model folder's name."""
     if not 0.0 <= sparsity <= 1.0:  # checked before minutes of scoring, not after
         raise PatternError(f"sparsity {sparsity} is outside [0, 1]: pass the fraction of streaming heads, e.g. 0.5")
-    shape = read_hf_config(model_dir)
+    read_hf_config(model_dir)  # a bad config.json fails here, before minutes of scoring
     scores = score_heads(model_dir, num_samples, context_len, seed, sink=sink, recent=recent)
     method = (f"attention-mass scoring on synthetic passkey retrieval: per KV head, the mean attention of the "
               f"question and answer queries (its GQA group's query heads averaged) on the needle tokens outside "
               f"sink {sink} + recent {recent}, over {num_samples} prompts of up to {context_len} tokens (seed {seed}; "
               "one 5-digit passkey per prompt at a stratified random depth; varied filler sentences), divided by "
               "the largest head's score")
-    data = {
-        "schema_version": SCHEMA_VERSION,
-        "model": {"name": name or Path(model_dir).resolve().name, "aliases": list(aliases),
-                  "architecture": shape.architecture, "num_layers": shape.num_layers,
-                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
-        "gates": np.round(scores, _GATE_DECIMALS).tolist(),
-        "sparsity": sparsity,
-        "sink": sink,
-        "recent": recent,
-        "provenance": {"source": SOURCE, "method": method, "date": date or datetime.date.today().isoformat(),
-                       "license": license, "notes": NOTES},
-    }
-    return HeadPattern.model_validate(data)
+    return HeadPattern.from_gates(scores, model_dir, name=name, aliases=aliases, sparsity=sparsity, sink=sink,
+                                  recent=recent, source=SOURCE, method=method, notes=NOTES, date=date, license=license)
 
 
 def write_scored_pattern(model_dir: str, out: str, **options) -> str:
