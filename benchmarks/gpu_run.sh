@@ -22,6 +22,8 @@ for stage in "$@"; do
     bench2) bench bench-2 --workloads prefill_heavy decode_heavy ;;
     bench3) bench bench-3 --workloads ttft_128k tpot_64k ;;
     bench4) bench bench-4 --workloads serve_16k ;;
+    tp_tests) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tp.py 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15 ;;
+    bench_tp2) bench bench-tp2 --workloads prefill_heavy decode_heavy --engine-args '--tensor-parallel-size 2' ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     quick)  # prefill-heavy throughput, dense (FA3) vs duo 50%, via ../shared/gpu/bench.sh
       duo='{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'

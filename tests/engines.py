@@ -60,3 +60,59 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int, **params) -> list[lis
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **params)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+GENERATE = r"""
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+sys.path.insert(0, "tests")
+from engines import text_of_tokens
+from transformers import AutoTokenizer
+engine, lengths = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(engine.get("tokenizer") or engine["model"])
+prompts = [text_of_tokens(tok, n, seed=n) for n in lengths]
+outs = LLM(**engine).generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                              SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=0),
+                              use_tqdm=False)
+gaps = [[(lambda v: v[0] - v[1])(sorted((l.logprob for l in step.values()), reverse=True)) for step in o.outputs[0].logprobs]
+        for o in outs]
+prompt_logprobs = [[step[t].logprob for t, step in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(prompts, outs)]
+print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+print("GAPS", json.dumps(gaps))
+print("PROMPT_LOGPROBS", json.dumps(prompt_logprobs))
+"""
+
+
+def generate_in_subprocess(engine: dict, backend: str | None, duo: dict | None, lengths, **env) -> dict:
+    """Greedy outputs of an `LLM(**engine)` in its own process (a clean CUDA context, env vars read at import).
+
+    Returns TOKENS (32 per prompt), GAPS (top-1 minus top-2 logprob at each step) and PROMPT_LOGPROBS.
+    """
+    import os
+    import subprocess
+    import sys
+
+    engine = dict(engine)
+    if backend:
+        engine["attention_backend"] = backend
+    if duo:
+        engine["additional_config"] = {"duo": duo}
+    result = subprocess.run([sys.executable, "-c", GENERATE, json.dumps(engine), json.dumps(list(lengths))],
+                            env=dict(os.environ, **env), capture_output=True, text=True, timeout=600)
+    found = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
+             if line.startswith(("TOKENS ", "GAPS ", "PROMPT_LOGPROBS "))}
+    assert "TOKENS" in found, result.stderr[-3000:]
+    return found
+
+
+# Logits come out of a bf16 lm_head: near 20 their resolution is 0.125, so the top two tokens of a
+# run can be 1-4 bf16 steps apart by rounding order alone (the first H100 run parted at a 0.25 gap).
+NEAR_TIE = 0.5
+
+
+def assert_same_greedy(got: dict, expected: dict) -> None:
+    """Token-identical, except that a sequence may part ways at a near-tie of the expected run."""
+    for seq, (a, b) in enumerate(zip(got["TOKENS"], expected["TOKENS"])):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is not None:
+            assert expected["GAPS"][seq][first] < NEAR_TIE, f"prompt {seq} differs at token {first}, not a near-tie"
