@@ -85,6 +85,9 @@ def run(model, prompts, duo, tp_size):
         if tp_size > 1:
             env.setenv("OMP_NUM_THREADS", "1")  # 3 workers on a 2-core CI machine: no thread pinning, one each
             env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            import vllm.envs
+
+            vllm.envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's env reads
             kwargs = dict(tensor_parallel_size=tp_size, distributed_executor_backend="mp")
         llm = make_llm(model, duo, max_model_len=1024, max_num_batched_tokens=128, **kwargs)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The duo attention backend: retrieval heads over paged blocks, streaming heads over a sink+recent ring.
 
-Head grouping uses index maps (`LayerHeads`) instead of reordering q/k/v/o weights: vLLM 0.26
-hands a backend neither the projections nor a post-load hook that sees them, and index maps
-leave weight loading, quantization and TP sharding untouched. The PyTorch path gathers heads;
-the Triton kernels take the maps as arguments and read each head in place. Under tensor
-parallelism each rank maps the KV heads it holds (`DuoPlan.retrieval_heads(layer, rank, tp)`).
+Each layer's heads are described by index maps (`LayerHeads`). At weight load the plugin reorders
+the q/k/v/o weights of unquantized models so that retrieval heads come first (reorder.py); the
+maps are then contiguous ranges. Layers whose weights vLLM quantizes keep the model's order and
+the maps say where each head is; the kernels take the maps as arguments and read heads in place.
+Under tensor parallelism each rank maps the KV heads it holds (`DuoPlan.retrieval_heads(layer,
+rank, tp)`).
 """
 
 from __future__ import annotations
@@ -185,7 +186,10 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
                                        if isinstance(getattr(module, "impl", None), DuoAttentionImpl)
                                        and extract_layer_index(name) == ring.host)
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-            self.heads = LayerHeads.build(plan.retrieval_heads(index, rank, tp_size), self.num_kv_heads,
+            retrieval = plan.retrieval_heads(index, rank, tp_size)
+            if getattr(layer, "duo_head_order", None) is not None:  # reordered at load: retrieval heads first
+                retrieval = list(range(len(retrieval)))
+            self.heads = LayerHeads.build(retrieval, self.num_kv_heads,
                                           self.num_heads, layout.streaming_blocks, plan.sink, plan.recent,
                                           ring.offset if ring else 0, device=layer.kv_cache.device)
         return self.heads

@@ -7,7 +7,8 @@ vLLM 0.26 has three gaps a backend plugin must bridge, each bridged here once:
   is duo, ask the backend (`DuoAttentionBackend.kv_cache_spec`); other backends are untouched.
 * a single-group model's block table is sized by `UniformTypeKVCacheSpecs`, which ignores its
   layers' own `max_num_blocks_per_req`: use the widest layer (same result for built-in specs).
-The spec/manager pair goes into vLLM's own `KVCacheSpecRegistry`.
+The spec/manager pair goes into vLLM's own `KVCacheSpecRegistry`. And the model loader's post-load
+step first reorders each duo layer's KV heads, retrieval heads first (reorder.py).
 """
 
 from __future__ import annotations
@@ -72,9 +73,27 @@ def _register_kv_cache_spec() -> None:
     KVCacheSpecRegistry.register(DuoAttentionSpec, DuoKVCacheManager, uniform_type_base_spec=DuoAttentionSpec)
 
 
+def _reorder_heads_after_loading() -> None:
+    from vllm.model_executor.model_loader import base_loader
+
+    process = base_loader.process_weights_after_loading
+    if getattr(process, "_duo_reorders", False):
+        return
+
+    def process_weights_after_loading(model, model_config, target_device):
+        from vllm_duo.reorder import reorder_model_heads
+
+        reorder_model_heads(model)  # before vLLM repacks or quantizes the weights
+        process(model, model_config, target_device)
+
+    process_weights_after_loading._duo_reorders = True
+    base_loader.process_weights_after_loading = process_weights_after_loading
+
+
 def register() -> None:
     """Entry point of the `vllm.general_plugins` group."""
     add_backend_member()
     _route_kv_cache_spec_to_backend()
     _size_block_table_by_widest_layer()
     _register_kv_cache_spec()
+    _reorder_heads_after_loading()
