@@ -209,11 +209,13 @@ def _add_eval_command(commands: _Subparsers) -> None:
     from vllm_duo.evaluate import DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_METHODS
 
     parser = commands.add_parser(
-        "eval", help="passkey needle-in-a-haystack accuracy through vLLM: dense, duo, random heads, StreamingLLM",
+        "eval", help="passkey needle-in-a-haystack accuracy through vLLM: dense, duo, zigzag, random heads, "
+                     "StreamingLLM",
         description="Greedy passkey retrieval through in-process vLLM engines over a grid of context lengths x "
                     "needle depths, for each method on the same prompts; writes results.json, results.md (summary "
                     "table) and accuracy heatmaps. Methods: full (vLLM's dense backend), duoXX (the pattern at "
-                    "sparsity XX%%), randomXX (random gates, same sparsity), streamingXX (all heads streaming at the "
+                    "sparsity XX%%), zigzagXX (its layer-exclusive form), randomXX (random gates, same sparsity), "
+                    "streamingXX (all heads streaming at the "
                     "KV budget of duoXX).")
     parser.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder (default: the bundled "
                                                              "SmolLM2-135M-Instruct)")

@@ -18,18 +18,20 @@ from pathlib import Path
 import numpy as np
 
 from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config, resolve_pattern
+from vllm_duo.zigzag import zigzag_pattern
 
-DEFAULT_METHODS = ("full", "duo25", "duo50", "duo75", "random50", "streaming50")
+DEFAULT_METHODS = ("full", "duo25", "duo50", "duo75", "zigzag50", "random50", "streaming50")
 DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-_METHOD = re.compile(r"^(full|duo|random|streaming)(\d{1,3})?$")
+_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?$")
 
 
 @dataclass(frozen=True)
 class Method:
     """One attention setting to compare: `full` (vLLM's dense backend), or duo/random/streaming at a sparsity.
 
-    `duoXX`: the head pattern at sparsity XX%. `randomXX`: uniform random gates (fixed seed) at the same sparsity.
+    `duoXX`: the head pattern at sparsity XX%. `zigzagXX`: its layer-exclusive form (zigzag.py), round(XX% x L)
+    layers all streaming. `randomXX`: uniform random gates (fixed seed) at the same sparsity.
     `streamingXX`: every head streaming, with `recent` chosen per context so that the KV memory per request matches
     `duoXX` (see streaming_recent).
     """
@@ -42,8 +44,8 @@ class Method:
     def parse(cls, name: str) -> Method:
         match = _METHOD.match(name)
         if not match or (match[1] == "full") != (match[2] is None) or int(match[2] or 0) > 100:
-            raise PatternError(f"method {name!r} is not full, duoXX, randomXX or streamingXX (XX = sparsity in %, "
-                               "e.g. duo50, streaming50)")
+            raise PatternError(f"method {name!r} is not full, duoXX, zigzagXX, randomXX or streamingXX (XX = sparsity "
+                               "in %, e.g. duo50, streaming50)")
         return cls(name, match[1], int(match[2] or 0) / 100)
 
 
@@ -64,9 +66,10 @@ def num_retrieval(num_heads: int, sparsity: float) -> int:
     return num_heads - (num_heads if sparsity >= 1.0 else math.ceil(sparsity * (num_heads - 1) - 1e-9))
 
 
-def duo_kv_slots(num_heads: int, sparsity: float, tokens: int, sink: int, recent: int) -> int:
-    """(token, KV head) slots of one request: R * T + (N - R) * min(T, sink + recent)."""
-    retrieval = num_retrieval(num_heads, sparsity)
+def duo_kv_slots(num_heads: int, sparsity: float, tokens: int, sink: int, recent: int,
+                 retrieval: int | None = None) -> int:
+    """(token, KV head) slots of one request: R * T + (N - R) * min(T, sink + recent); R from `sparsity` if not given."""
+    retrieval = num_retrieval(num_heads, sparsity) if retrieval is None else retrieval
     return retrieval * tokens + (num_heads - retrieval) * min(tokens, sink + recent)
 
 
@@ -143,15 +146,21 @@ class EvalSettings:
         return shlex.join(parts)
 
 
-def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, random_path: str, cases: list[Case]):
-    """(duo settings or None for dense, cases) per engine: one engine per method, per context for streaming."""
+def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern_files: dict[str, str],
+                 cases: list[Case]):
+    """(duo settings or None for dense, cases) per engine: one engine per method, per context for streaming.
+
+    `pattern_files` holds the random pattern ("random") and each zigzagXX method's layer-exclusive pattern.
+    """
     duo = {"sink": settings.sink, "recent": settings.recent, "sparsity": method.sparsity}
     if settings.pattern:
         duo["pattern"] = settings.pattern
     if method.kind == "full":
         return [(None, cases)]
     if method.kind == "random":
-        return [(dict(duo, pattern=random_path), cases)]
+        return [(dict(duo, pattern=pattern_files["random"]), cases)]
+    if method.kind == "zigzag":  # its stored layer-exclusive mask, not the gates at a sparsity
+        return [({"sink": settings.sink, "recent": settings.recent, "pattern": pattern_files[method.name]}, cases)]
     if method.kind == "duo":
         return [(duo, cases)]
     runs = []
@@ -227,15 +236,22 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    random_path = str(out / "random-pattern.json")
-    random_pattern(settings.model, settings.seed, settings.sink, settings.recent).save(random_path)
+    pattern_files = {"random": str(out / "random-pattern.json")}
+    random_pattern(settings.model, settings.seed, settings.sink, settings.recent).save(pattern_files["random"])
+    zigzag_retrieval = {}
+    for method in methods:
+        if method.kind == "zigzag":
+            pattern_files[method.name] = str(out / f"{method.name}-pattern.json")
+            layer_exclusive = zigzag_pattern(pattern, method.sparsity)
+            layer_exclusive.save(pattern_files[method.name])
+            zigzag_retrieval[method.name] = int(layer_exclusive.retrieval_mask_at().sum())
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     cases = make_cases(tokenizer, settings.contexts, settings.depths, settings.samples, settings.seed)
 
     records, runs_info = [], []
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     plan = [(method, duo, group) for method in methods
-            for duo, group in _engine_runs(settings, method, num_heads, random_path, cases)]
+            for duo, group in _engine_runs(settings, method, num_heads, pattern_files, cases)]
     bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
     for method, duo, group in bar:
         bar.set_postfix(method=method.name)
@@ -251,7 +267,8 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     results = {
         "settings": asdict(settings), "command": settings.command(), "started": started,
         "machine": machine_info(), "pattern": pattern_source, "num_kv_heads_total": num_heads,
-        "methods": [_summary(method, records, settings, num_heads) for method in methods],
+        "methods": [_summary(method, records, settings, num_heads, zigzag_retrieval.get(method.name))
+                    for method in methods],
         "engines": runs_info, "records": records,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
@@ -260,7 +277,8 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     return results
 
 
-def _summary(method: Method, records: list[dict], settings: EvalSettings, num_heads: int) -> dict:
+def _summary(method: Method, records: list[dict], settings: EvalSettings, num_heads: int,
+             retrieval: int | None = None) -> dict:
     """Accuracies of one method: overall, per context, per (context, depth) cell; and its KV size vs dense."""
     mine = [r for r in records if r["method"] == method.name]
     grid = [[float(np.mean([r["correct"] for r in mine if r["context_len"] == c and r["depth"] == d]))
@@ -274,7 +292,7 @@ def _summary(method: Method, records: list[dict], settings: EvalSettings, num_he
             recent = streaming_recent(num_heads, method.sparsity, tokens, settings.sink, settings.recent)
             slots = num_heads * min(tokens, settings.sink + recent)
         else:
-            slots = duo_kv_slots(num_heads, method.sparsity, tokens, settings.sink, settings.recent)
+            slots = duo_kv_slots(num_heads, method.sparsity, tokens, settings.sink, settings.recent, retrieval)
         kv.append(round(slots / (num_heads * tokens), 4))
     return {"method": method.name, "kind": method.kind, "sparsity": method.sparsity,
             "accuracy": float(np.mean([r["correct"] for r in mine])),
@@ -302,7 +320,8 @@ def report(results: dict) -> str:
         lines.append(f"| {m['method']} | " + " | ".join(f"{100 * m['by_context'][str(c)]:.0f}%" for c in contexts)
                      + f" | {100 * m['accuracy']:.1f}% | {delta} | {kv} |")
     lines += ["", "KV vs dense: (token, KV head) slots per request as a fraction of dense, per context. duoXX: "
-              "R T + (N - R) min(T, sink + recent), R = N - ceil(s (N - 1)) retrieval heads of N; streamingXX: all "
+              "R T + (N - R) min(T, sink + recent), R = N - ceil(s (N - 1)) retrieval heads of N (zigzagXX: R = the "
+              "heads of its retrieval layers); streamingXX: all "
               "N heads streaming with recent' = ceil((R T + (N - R)(sink + recent)) / N) - sink, the same budget "
               "as duoXX; T = context + generated tokens.", "",
               "Accuracy per context (rows) and needle depth (columns; 0 = right after the intro, 1 = right before "
