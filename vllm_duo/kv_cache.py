@@ -151,8 +151,3 @@ def plan_page_layout(page_heads: tuple[int, ...], ring_heads: tuple[int, ...], s
     while (rings := _place_rings(ring_cells, [blocks * block_size * p for p in pages])) is None:
         blocks += 1
     return PageLayout(tuple(pages), blocks, tuple(rings))
-
-
-def ring_slot(position: int, sink: int, recent: int) -> int:
-    """Ring slot of a token position: sinks keep their place, the rest wrap in the recent window."""
-    return position if position < sink else sink + (position - sink) % recent
