@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/duo-work; mkdir -p $WORK   # many files: each stage tars its folder into $OUT (8 files come back)
 bench() {  # bench NAME WORKLOADS... : vllm-duo bench, dense vs duo, Llama-3.1-8B shape with dummy weights
   local name=$1; shift
-  timeout 560 python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
+  timeout ${BENCH_TIMEOUT:-560} python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
     --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5 --timeout 420 --out $WORK/$name "$@" 2>&1 | tail -30
   tar czf "$OUT/$name.tgz" -C $WORK "$name"
 }
