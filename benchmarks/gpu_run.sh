@@ -13,7 +13,7 @@ bench() {  # bench NAME WORKLOADS... : vllm-duo bench, dense vs duo, Llama-3.1-8
 }
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
 for stage in "$@"; do
-  echo "== $stage $(date +%T)"
+  echo "== $stage $(date +%T), GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
   case $stage in
     tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernel_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;

@@ -126,6 +126,34 @@ def test_failed_runs_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch, s
     assert "## Failed runs" in report and "**failed**" in report
 
 
+SLEEPER = """
+import sys
+from pathlib import Path
+from vllm_duo import bench
+bench.stop_runs_on_sigterm()
+bench.run_logged([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"],
+                 Path(sys.argv[1]), timeout=120)
+"""
+
+
+def test_sigterm_stops_the_run_in_flight(tmp_path):
+    """`timeout` kills the harness with SIGTERM; the vLLM run it started in its own session must not outlive it."""
+    import os
+    import signal
+    import subprocess
+
+    log = tmp_path / "run.log"
+    harness = subprocess.Popen([sys.executable, "-c", SLEEPER, str(log)])
+    deadline = time.time() + 60
+    while len(log.read_text().splitlines() if log.exists() else []) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    run_pid = int(log.read_text().splitlines()[1])
+    harness.send_signal(signal.SIGTERM)
+    assert harness.wait(timeout=60) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(run_pid, 0)
+
+
 def _run(workload, backend, phase="main", **fields):
     spec = bench.WORKLOADS[workload]
     run = {"workload": workload, "kind": spec.kind, "backend": backend, "phase": phase, "status": "ok",

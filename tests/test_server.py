@@ -158,6 +158,12 @@ class Server:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def startup_failure(self) -> str:
+        """The log's first error lines (where the root cause is, often above a long traceback) and its tail."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        errors = [line for line in lines if re.search(r"[A-Za-z]Error\b|[Ee]rror:", line)][:12]
+        return "\n".join([*errors, "... log tail:", *lines[-15:]])
+
     def client(self):
         from openai import OpenAI
 
@@ -184,9 +190,9 @@ def server(smollm2_dir, tmp_path_factory):
         deadline = time.time() + STARTUP_TIMEOUT
         while http_get_status(port, "/health") != 200:
             if process.poll() is not None:
-                pytest.fail(f"the server exited with code {process.returncode}:\n{running.log_tail()}")
+                pytest.fail(f"the server exited with code {process.returncode}:\n{running.startup_failure()}")
             if time.time() > deadline:
-                pytest.fail(f"the server was not healthy after {STARTUP_TIMEOUT} s:\n{running.log_tail()}")
+                pytest.fail(f"the server was not healthy after {STARTUP_TIMEOUT} s:\n{running.startup_failure()}")
             time.sleep(1)
         yield running
     finally:

@@ -390,6 +390,12 @@ def _stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
             time.sleep(0.5)
 
 
+def stop_runs_on_sigterm() -> None:
+    """Makes SIGTERM (`timeout`, a job scheduler) exit through Python, so that `run_logged` stops the vLLM run it
+    started in its own session: killed outright, the harness would leave that run holding the GPU's memory."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def run_logged(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, bool]:
     """Runs `cmd` with stdout and stderr into `log_path`; returns (exit code or None, timed out)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -790,6 +796,7 @@ def command(args: argparse.Namespace) -> str:
         suite.run()
         return ""
 
+    stop_runs_on_sigterm()
     parts = [load_results(out, out)] if (out / "results.json").exists() else []  # same folder: add, replace
     parts += [load_results(Path(folder), out) for folder in args.merge]
     Suite(settings, merge_results(parts) if parts else None).run()
