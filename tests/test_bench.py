@@ -3,6 +3,9 @@
 throughput`), plus the parts that need no vLLM run: commands, log parsing, overrides, failures, the report."""
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -138,10 +141,6 @@ bench.run_logged([sys.executable, "-c", "import os, time; print(os.getpid(), flu
 
 def test_sigterm_stops_the_run_in_flight(tmp_path):
     """`timeout` kills the harness with SIGTERM; the vLLM run it started in its own session must not outlive it."""
-    import os
-    import signal
-    import subprocess
-
     log = tmp_path / "run.log"
     harness = subprocess.Popen([sys.executable, "-c", SLEEPER, str(log)])
     deadline = time.time() + 60

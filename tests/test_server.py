@@ -160,9 +160,9 @@ class Server:
 
     def startup_failure(self) -> str:
         """The log's first error lines (where the root cause is, often above a long traceback) and its tail."""
-        lines = self.log.read_text(errors="replace").splitlines()
-        errors = [line for line in lines if re.search(r"[A-Za-z]Error\b|[Ee]rror:", line)][:12]
-        return "\n".join([*errors, "... log tail:", *lines[-15:]])
+        errors = [line for line in self.log.read_text(errors="replace").splitlines()
+                  if re.search(r"[A-Za-z]Error\b|[Ee]rror:", line)][:12]
+        return "\n".join([*errors, "... log tail:", self.log_tail(15)])
 
     def client(self):
         from openai import OpenAI
