@@ -5,11 +5,15 @@ set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/duo-work; mkdir -p $WORK   # many files: each stage tars its folder into $OUT (8 files come back)
-bench() {  # bench NAME WORKLOADS... : vllm-duo bench, dense vs duo, Llama-3.1-8B shape with dummy weights
+DEADLINE=${DEADLINE:-570}  # seconds of this script that bench parts may use (a device command stops at 600)
+bench() {  # bench NAME ARGS...: vllm-duo bench, dense vs duo, Llama-3.1-8B shape with dummy weights, into $WORK/NAME
   local name=$1; shift
-  timeout ${BENCH_TIMEOUT:-560} python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
-    --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5 --timeout 420 --out $WORK/$name "$@" 2>&1 | tail -30
+  timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
+    --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5 --timeout 420 --out $WORK/$name "$@" 2>&1 | tail -14
   tar czf "$OUT/$name.tgz" -C $WORK "$name"
+}
+suite() {  # suite ARGS...: one part of a suite split over the calls of one warm machine (all parts in one folder)
+  bench suite "$@"
 }
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
 for stage in "$@"; do
@@ -18,11 +22,14 @@ for stage in "$@"; do
     tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernel_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
     e2e_tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpu_e2e_tests.log" | tail -15 ;;
-    bench1) bench bench-1 --workloads capacity short --capacity-sparsity 0.25 0.5 0.75 ;;
-    bench2) bench bench-2 --workloads prefill_heavy decode_heavy ;;
-    bench3) bench bench-3 --workloads ttft_128k tpot_64k ;;
-    bench4) bench bench-4 --workloads serve_16k ;;
-    bench5) bench bench-5 --workloads prefill_heavy short ;;
+    # the full suite (issue 6) in six parts of at most ~9 minutes each, over two warm machines
+    suite1) suite --workloads capacity --capacity-sparsity 0.25 0.5 0.75; suite --workloads ttft_128k --only dense ;;
+    suite2) suite --workloads ttft_128k --only duo; suite --workloads short ;;
+    suite3) suite --workloads tpot_64k ;;
+    suite4) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only dense ;;
+    suite5) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only duo
+      suite --workloads serve_16k --only dense ;;
+    suite6) suite --workloads serve_16k --only duo ;;
     serve)  # tests/test_server.py through `vllm serve` (on CUDA it launches that; the carried vLLM is unpacked, not
       # pip-installed, so its console script is written here: the same two lines pip would write)
       mkdir -p /tmp/bin && printf '#!/usr/bin/env python3\nfrom vllm.entrypoints.cli.main import main\nmain()\n' > /tmp/bin/vllm
@@ -32,14 +39,6 @@ for stage in "$@"; do
     tp_tests) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tp.py 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15 ;;
     bench_tp2) bench bench-tp2 --workloads prefill_heavy decode_heavy --engine-args '--tensor-parallel-size 2' ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
-    quick)  # prefill-heavy throughput, dense (FA3) vs duo 50%, via ../shared/gpu/bench.sh
-      duo='{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
-      bash /tmp/gpu-carry/bench.sh dense_16k 16000 512 32 17000
-      bash /tmp/gpu-carry/bench.sh duo50_16k 16000 512 32 17000 --attention-backend duo --additional-config "$duo" ;;
-    capacity)  # vLLM's startup figure at 131072 tokens per request
-      duo='{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
-      bash /tmp/gpu-carry/bench.sh dense_cap 128 16 4 131072
-      bash /tmp/gpu-carry/bench.sh duo50_cap 128 16 4 131072 --attention-backend duo --additional-config "$duo" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

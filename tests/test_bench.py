@@ -85,6 +85,16 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
         assert flag in ttft
 
 
+@pytest.mark.parametrize("only, dense_runs, duo_runs", [("dense", 2, 0), ("duo", 0, 4)])
+def test_only_runs_one_side_of_the_suite(tmp_path, capsys, only, dense_runs, duo_runs):
+    assert cli.main(["bench", "--model", "/models/llama8b", "--workloads", "tpot_64k", "--sparsity", "0.25", "0.5",
+                     "--only", only, "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert sum("--attention-backend duo" in c for c in commands) == duo_runs
+    assert sum("--attention-backend" not in c for c in commands) == dense_runs
+    assert len(commands) == dense_runs + duo_runs
+
+
 def test_startup_figures_from_a_log():
     log = "\n".join([
         "(EngineCore pid=1) INFO [core.py:121] Initializing a V1 LLM engine (v0.26.0) with config: dtype=torch.float16",

@@ -152,6 +152,7 @@ class Settings:
     out: Path
     timeout: float
     dry_run: bool = False
+    only: str | None = None  # "dense" or "duo": one side of a suite split over several calls into one --out
     argv: list[str] = field(default_factory=list)
 
     def duo_config(self, sparsity: float) -> dict:
@@ -431,7 +432,9 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> str | N
 
 def variants_for(settings: Settings, workload: Workload, available_dense: list[str]) -> list[Variant]:
     sparsities = settings.capacity_sparsity if workload.name == "capacity" else settings.sparsity
-    return [dense()] + [Variant(name, name) for name in available_dense] + [duo(s) for s in sparsities]
+    baselines = [dense()] + [Variant(name, name) for name in available_dense]
+    duos = [duo(s) for s in sparsities]
+    return {"dense": baselines, "duo": duos}.get(settings.only, baselines + duos)
 
 
 def check_dense_backends(names: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -760,6 +763,7 @@ def command_line(args: argparse.Namespace, settings: Settings) -> list[str]:
     argv += ["--set", *args.set] if args.set else []
     argv += ["--extra-dense-backends", *settings.extra_dense_backends] if settings.extra_dense_backends else []
     argv += ["--engine-args", args.engine_args] if args.engine_args else []
+    argv += ["--only", settings.only] if settings.only else []
     return argv + ["--timeout", f"{settings.timeout:g}", "--out", str(settings.out)]
 
 
@@ -786,7 +790,7 @@ def command(args: argparse.Namespace) -> str:
                         sparsity=args.sparsity, capacity_sparsity=args.capacity_sparsity or args.sparsity,
                         sink=args.sink, recent=args.recent, workloads=workloads,
                         extra_dense_backends=args.extra_dense_backends, engine_args=shlex.split(args.engine_args or ""),
-                        out=out, timeout=args.timeout, dry_run=args.dry_run)
+                        out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only)
     settings.argv = command_line(args, settings)
     if args.dry_run:
         suite = Suite(settings)

@@ -141,6 +141,9 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--engine-args", metavar="'ARGS'",
                         help="more vLLM engine arguments for every run, dense and duo alike, e.g. "
                              "'--gpu-memory-utilization 0.9'")
+    parser.add_argument("--only", choices=["dense", "duo"],
+                        help="run only the dense baselines or only duo: one side of a suite split over several "
+                             "calls of one machine into the same --out, where the two sides meet in one report")
     parser.add_argument("--out", metavar="DIR",
                         help="results folder (default benchmarks/results/<timestamp>-<device>); into a folder "
                              "with a results.json the new runs are added, the same runs replaced")
