@@ -22,14 +22,19 @@ for stage in "$@"; do
     tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernel_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
     e2e_tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpu_e2e_tests.log" | tail -15 ;;
-    # the full suite (issue 6) in six parts of at most ~9 minutes each, over two warm machines
+    # the full suite (issue 6) in parts of at most ~8 minutes; each workload's dense and duo runs on one machine
     suite1) suite --workloads capacity --capacity-sparsity 0.25 0.5 0.75; suite --workloads ttft_128k --only dense ;;
-    suite2) suite --workloads ttft_128k --only duo; suite --workloads short ;;
-    suite3) suite --workloads tpot_64k ;;
-    suite4) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only dense ;;
-    suite5) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only duo
+    suite2) suite --workloads ttft_128k --only duo; suite --workloads tpot_64k --only dense ;;
+    suite3) suite --workloads tpot_64k --only duo ;;
+    suite4) suite --workloads short ;;
+    suite5) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only dense ;;
+    suite6) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only duo
       suite --workloads serve_16k --only dense ;;
-    suite6) suite --workloads serve_16k --only duo ;;
+    suite7) suite --workloads serve_16k --only duo ;;
+    identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at 4k-8k tokens
+      timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
+        -o $OUT/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct --alias HuggingFaceTB/SmolLM2-135M-Instruct \
+        --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' | tee "$OUT/identify.log" | tail -6 ;;
     serve)  # tests/test_server.py through `vllm serve` (on CUDA it launches that; the carried vLLM is unpacked, not
       # pip-installed, so its console script is written here: the same two lines pip would write)
       mkdir -p /tmp/bin && printf '#!/usr/bin/env python3\nfrom vllm.entrypoints.cli.main import main\nmain()\n' > /tmp/bin/vllm
