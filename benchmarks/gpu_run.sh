@@ -26,20 +26,19 @@ for stage in "$@"; do
     suite1) suite --workloads capacity --capacity-sparsity 0.25 0.5 0.75; suite --workloads ttft_128k --only dense ;;
     suite2) suite --workloads ttft_128k --only duo; suite --workloads tpot_64k --only dense ;;
     suite3) suite --workloads tpot_64k --only duo ;;
-    suite4) suite --workloads short ;;
-    suite5) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only dense ;;
-    suite6) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only duo
-      suite --workloads serve_16k --only dense ;;
-    suite7) suite --workloads serve_16k --only duo ;;
+    suite4) suite --workloads short; suite --workloads serve_16k --set serve_16k.request_rates=2 --only dense ;;
+    suite5) suite --workloads serve_16k --set serve_16k.request_rates=2 --only duo
+      suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only dense ;;
+    suite6) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only duo ;;
     identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at 4k-8k tokens
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
         -o $OUT/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct --alias HuggingFaceTB/SmolLM2-135M-Instruct \
         --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' | tee "$OUT/identify.log" | tail -6 ;;
     serve)  # tests/test_server.py through `vllm serve` (on CUDA it launches that; the carried vLLM is unpacked, not
       # pip-installed, so its console script is written here: the same two lines pip would write)
-      mkdir -p /tmp/bin && printf '#!/usr/bin/env python3\nfrom vllm.entrypoints.cli.main import main\nmain()\n' > /tmp/bin/vllm
+      mkdir -p /tmp/bin && printf '#!/usr/bin/env python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' > /tmp/bin/vllm
       chmod +x /tmp/bin/vllm
-      PATH=/tmp/bin:$PATH timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_server.py 2>&1 \
+      PATH=/tmp/bin:$PATH timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_server.py -k "${SERVE_TESTS:-}" 2>&1 \
         | tee "$OUT/gpu_server_tests.log" | tail -15 ;;
     tp_tests) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tp.py 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15 ;;
     bench_tp2) bench bench-tp2 --workloads prefill_heavy decode_heavy --engine-args '--tensor-parallel-size 2' ;;

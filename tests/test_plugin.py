@@ -1,7 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The plugin in a real vLLM engine: `attention_backend="duo"` parses, and every attention layer runs duo."""
+"""The plugin in a real vLLM engine: `attention_backend="duo"` parses, and every attention layer runs duo;
+vLLM's V2 model runner (the GPU default) sizes block table rows for duo's ring blocks too."""
 
 import gc
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 
 def test_duo_member_parses():
@@ -27,3 +32,40 @@ def test_every_layer_resolves_the_duo_backend(smollm2_dir):
     assert held_blocks(llm) == 0
     del llm
     gc.collect()
+
+
+class _WidthRecorded(Exception):
+    """Stops the V2 runner's initialize_kv_cache once it has computed the block table widths."""
+
+
+@pytest.mark.parametrize("max_model_len, ring_blocks", [(2048, 30), (17000, 76), (1000, 0)])
+def test_v2_runner_rows_hold_ring_and_pages(monkeypatch, max_model_len, ring_blocks):
+    """A duo request's row is [E ring blocks | one per 16 tokens]: a row sized for max_model_len alone would spill
+    into the next request's row (seen on the H100 as wrong greedy text under load, right text when alone)."""
+    import vllm.plugins
+    from vllm.v1.worker.gpu import model_runner
+
+    from vllm_duo.kv_cache import DuoAttentionSpec
+
+    vllm.plugins.load_general_plugins()
+    widths = []
+
+    def record_width(max_num_blocks, block_size, *args, **kwargs):
+        widths.append(max_num_blocks)
+        return max_num_blocks
+
+    def stop(*args, **kwargs):
+        raise _WidthRecorded
+
+    monkeypatch.setattr(model_runner, "get_block_table_width", record_width)
+    monkeypatch.setattr(model_runner, "init_attn_backend", stop)
+    spec = DuoAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sink=64, recent=256,
+                            streaming_blocks=ring_blocks)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    runner = SimpleNamespace(max_model_len=max_model_len, is_encoder_decoder=False, dcp_size=1,
+                             vllm_config=vllm_config, device=torch.device("cpu"))
+    with pytest.raises(_WidthRecorded):
+        model_runner.GPUModelRunner.initialize_kv_cache(runner, config)
+    assert widths == [-(-max_model_len // 16) + ring_blocks]
+    assert runner.max_model_len == max_model_len  # restored: the runner reads it elsewhere as the request limit

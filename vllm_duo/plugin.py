@@ -7,6 +7,8 @@ vLLM 0.26 has three gaps a backend plugin must bridge, each bridged here once:
   is duo, ask the backend (`DuoAttentionBackend.kv_cache_spec`); other backends are untouched.
 * a single-group model's block table is sized by `UniformTypeKVCacheSpecs`, which ignores its
   layers' own `max_num_blocks_per_req`: use the widest layer (same result for built-in specs).
+  The V2 model runner (the GPU default) ignores `max_num_blocks_per_req` altogether and sizes rows
+  for max_model_len tokens: widen its rows by duo's ring blocks.
 The spec/manager pair goes into vLLM's own `KVCacheSpecRegistry`. And the model loader's post-load
 step first reorders each duo layer's KV heads, retrieval heads first (reorder.py).
 """
@@ -64,6 +66,45 @@ def _size_block_table_by_widest_layer() -> None:
     UniformTypeKVCacheSpecs.max_num_blocks_per_req = max_num_blocks_per_req
 
 
+def duo_ring_tokens(kv_cache_config, vllm_config, max_len: int) -> int:
+    """Tokens' worth of blocks that a duo request holds beyond `max_len` tokens of pages (its ring blocks)."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from vllm_duo.kv_cache import DuoAttentionSpec
+
+    extra = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        layers = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if any(isinstance(layer, DuoAttentionSpec) for layer in layers):
+            blocks = spec.max_num_blocks_per_req(vllm_config, max_len) - cdiv(max_len, spec.block_size)
+            extra = max(extra, blocks * spec.block_size)
+    return extra
+
+
+def _widen_v2_block_tables_by_rings() -> None:
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except ImportError:  # a vLLM without the V2 model runner
+        return
+    if getattr(GPUModelRunner.initialize_kv_cache, "_duo_widened", False):
+        return
+    initialize = GPUModelRunner.initialize_kv_cache
+
+    def initialize_kv_cache(self, kv_cache_config):
+        # The V2 runner reads self.max_model_len only here, for the rows' width (`block_table_max_model_len`).
+        extra = duo_ring_tokens(kv_cache_config, self.vllm_config, self.max_model_len)
+        self.max_model_len += extra
+        try:
+            return initialize(self, kv_cache_config)
+        finally:
+            self.max_model_len -= extra
+
+    initialize_kv_cache._duo_widened = True
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
+
+
 def _register_kv_cache_spec() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
@@ -95,5 +136,6 @@ def register() -> None:
     add_backend_member()
     _route_kv_cache_spec_to_backend()
     _size_block_table_by_widest_layer()
+    _widen_v2_block_tables_by_rings()
     _register_kv_cache_spec()
     _reorder_heads_after_loading()
