@@ -26,10 +26,11 @@ for stage in "$@"; do
     suite1) suite --workloads capacity --capacity-sparsity 0.25 0.5 0.75; suite --workloads ttft_128k --only dense ;;
     suite2) suite --workloads ttft_128k --only duo; suite --workloads tpot_64k --only dense ;;
     suite3) suite --workloads tpot_64k --only duo ;;
-    suite4) suite --workloads short; suite --workloads serve_16k --set serve_16k.request_rates=2 --only dense ;;
-    suite5) suite --workloads serve_16k --set serve_16k.request_rates=2 --only duo
-      suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only dense ;;
-    suite6) suite --workloads decode_heavy --set decode_heavy.num_prompts=64 --only duo ;;
+    suite4) suite --workloads short; suite --workloads serve_16k --only dense ;;
+    suite5) suite --workloads serve_16k --only duo
+      suite --workloads decode_heavy --only dense ;;
+    suite6) suite --workloads decode_heavy --only duo ;;
+    suite7) suite --workloads prefill_heavy ;;
     identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at 4k-8k tokens
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
         -o $OUT/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct --alias HuggingFaceTB/SmolLM2-135M-Instruct \

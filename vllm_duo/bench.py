@@ -81,7 +81,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("capacity", "throughput", 131072, 16, 1, num_prompts=1, engine_args=("--enforce-eager",),
              measures="vLLM's startup figures at 131,072 tokens per request (KV cache tokens, maximum concurrency); "
                       "one tiny prompt. Eager: no compilation or CUDA graphs, so a startup costs about half"),
-    Workload("decode_heavy", "throughput", 18500, 16000, 2000, num_prompts=32,
+    Workload("decode_heavy", "throughput", 18500, 16000, 2000, num_prompts=64,
              measures="long-context decode: dense holds ~25 such requests at once on an H100, duo at 0.5 ~twice as "
                       "many, and every decode step reads the whole KV of the batch"),
     Workload("prefill_heavy", "throughput", 17000, 16000, 512, num_prompts=32,
@@ -94,9 +94,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              measures="time per output token at 64k context, batch 4: (latency - latency with 1 output token) / 127"),
     Workload("ttft_128k", "latency", 131072, 131000, 1, batch_size=1, num_iters=2,
              measures="time to first token of one 131k-token prompt (latency with 1 output token)"),
-    Workload("serve_16k", "serve", 17000, 16000, 512, num_prompts=24, request_rates=(1.0, 2.0),
+    Workload("serve_16k", "serve", 17000, 16000, 512, num_prompts=96, request_rates=(1.0, 2.0),
              measures="online serving through vLLM's OpenAI server: output tok/s and p99 TTFT at each Poisson "
-                      "request rate; 2 req/s is past what dense sustains on an H100"),
+                      "request rate; 2 req/s is past what dense sustains on an H100 (about 1 req/s of 16k "
+                      "prefills), and 96 prompts keep it there for most of the run (24 did not: every request "
+                      "still ran at once)"),
     Workload("tiny", "throughput", 512, 128, 16, num_prompts=4, engine_args=_CPU_ARGS, cpu=True,
              measures="CPU check that the harness works (SmolLM2-135M); the figures mean nothing"),
     Workload("tiny_latency", "latency", 512, 128, 8, batch_size=2, prefill_baseline=True, engine_args=_CPU_ARGS,

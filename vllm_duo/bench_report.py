@@ -394,6 +394,10 @@ class Report:
             workload = Workload(**{**spec, "request_rates": tuple(spec.get("request_rates", ())),
                                    "engine_args": tuple(spec.get("engine_args", ()))})
             lines += [f"{workload.describe()}. {workload.measures}.", ""]
+        started = min(run.get("started_at") or "?" for run in runs)
+        finished = max(run.get("finished_at") or "?" for run in runs)
+        commits = ", ".join(dict.fromkeys(str(run.get("vllm_duo_commit")) for run in runs))
+        lines += [f"Runs from {started} to {finished}, vllm-duo commit {commits}.", ""]
         if name == "capacity":
             lines += self.capacity_table(name)
         elif kind == "throughput":
