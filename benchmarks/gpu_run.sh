@@ -31,6 +31,11 @@ for stage in "$@"; do
       suite --workloads decode_heavy --only dense ;;
     suite6) suite --workloads decode_heavy --only duo ;;
     suite7) suite --workloads prefill_heavy ;;
+    # issue 9: zigzag (layer-exclusive) vs head-level duo vs dense at 50%, one part per backend (not run yet)
+    zigzag1) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only dense ;;
+    zigzag2) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only duo ;;
+    zigzag3) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only zigzag ;;
+    zigzag4) bench zigzag --workloads decode_heavy --zigzag-sparsity 0.5 --only zigzag ;;  # dense, duo: suite5-6
     identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at 4k-8k tokens
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
         -o $OUT/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct --alias HuggingFaceTB/SmolLM2-135M-Instruct \

@@ -2,8 +2,10 @@
 """`vllm-duo bench`: the tiny workload end to end on the CPU stack (dense and duo through vLLM's own `bench
 throughput`), plus the parts that need no vLLM run: commands, log parsing, overrides, failures, the report."""
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +66,20 @@ def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     assert elapsed < 180, f"the tiny bench took {elapsed:.0f} s"
 
 
+def test_tiny_zigzag_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    """The zigzag side alone: its layer-exclusive pattern file is written, and vLLM serves it through duo."""
+    out = tmp_path / "results"
+    code = cli.main(["bench", "--workloads", "tiny", "--model", smollm2_dir, "--zigzag-sparsity", "0.5",
+                     "--pattern", smollm2_pattern(tmp_path), "--only", "zigzag", "--out", str(out), "--timeout", "170"])
+    assert code == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["backend"] == "zigzag s=0.5" and run["status"] == "ok", run.get("log_tail")
+    assert run["layer_exclusive"] and run["pattern"] == str((out / "patterns" / "zigzag-0.5.json").resolve())
+    heads = re.search(r"retrieval heads per layer \[([\d, ]+)\]", (out / run["log"]).read_text()).group(1)
+    per_layer = [int(n) for n in heads.split(", ")]
+    assert set(per_layer) == {0, 3} and per_layer.count(0) == 15  # 15 of 30 layers streaming, the rest retrieval
+
+
 def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     assert cli.main(["bench", "--model", "/models/llama8b", "--tokenizer", "/models/smol", "--sparsity", "0.5",
                      "--capacity-sparsity", "0.25", "0.5", "--pattern", "Meta-Llama-3.1-8B-Instruct",
@@ -71,28 +87,60 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     printed = capsys.readouterr().out
     commands = [line for line in printed.splitlines() if not line.startswith("#")]
     # capacity 3 + (decode, prefill, short) 2 each + tpot 4 + ttft 2 + serve 2 x (server + 2 rates)
-    assert len(commands) == 3 + 6 + 4 + 2 + 6
+    # + tpot_sweep 2 x (server + 5 prompt lengths)
+    assert len(commands) == 3 + 6 + 4 + 2 + 6 + 12
     assert not (tmp_path / "dry").exists()
     assert sum("bench throughput" in c for c in commands) == 9
     assert sum("bench latency" in c for c in commands) == 6
-    assert sum("bench serve" in c for c in commands) == 4
-    assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2
+    assert sum("bench serve" in c for c in commands) == 4 + 10
+    assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2 + 2
     duo_config = '{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
-    assert sum(duo_config in c for c in commands) == 1 + 3 + 2 + 1 + 1  # capacity, throughput x3, tpot x2, ttft, server
+    # capacity, throughput x3, tpot x2, ttft, the two servers
+    assert sum(duo_config in c for c in commands) == 1 + 3 + 2 + 1 + 2
+    sweep = [c for c in commands if "tpot_sweep__" in c]
+    assert [c.split("--random-input-len ")[1].split()[0] for c in sweep[:5]] == ["1024", "4096", "16384", "65536",
+                                                                                   "98304"]
+    assert all("--max-concurrency 4" in c and "--num-prompts 4" in c for c in sweep)
     ttft = next(c for c in commands if "ttft_128k__duo" in c)
     for flag in ("--input-len 131000", "--output-len 1", "--batch-size 1", "--max-model-len 131072",
                  "--load-format dummy", "--tokenizer /models/smol"):
         assert flag in ttft
 
 
-@pytest.mark.parametrize("only, dense_runs, duo_runs", [("dense", 2, 0), ("duo", 0, 4)])
-def test_only_runs_one_side_of_the_suite(tmp_path, capsys, only, dense_runs, duo_runs):
-    assert cli.main(["bench", "--model", "/models/llama8b", "--workloads", "tpot_64k", "--sparsity", "0.25", "0.5",
-                     "--only", only, "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
+@pytest.mark.parametrize("only, dense_runs, duo_runs, zigzag_runs", [
+    (None, 2, 4, 2), ("dense", 2, 0, 0), ("duo", 0, 4, 0), ("zigzag", 0, 0, 2)])
+def test_only_runs_one_part_of_the_suite(tmp_path, capsys, only, dense_runs, duo_runs, zigzag_runs):
+    only_args = ["--only", only] if only else []
+    assert cli.main(["bench", "--model", "/models/llama8b", "--workloads", "tpot_64k", "capacity",
+                     "--sparsity", "0.25", "0.5", "--capacity-sparsity", "0.5", "--zigzag-sparsity", "0.5",
+                     "--pattern", "Meta-Llama-3.1-8B-Instruct", *only_args, "--out", str(tmp_path / "dry"),
+                     "--dry-run"]) == 0
     commands = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
-    assert sum("--attention-backend duo" in c for c in commands) == duo_runs
-    assert sum("--attention-backend" not in c for c in commands) == dense_runs
-    assert len(commands) == dense_runs + duo_runs
+    tpot = [c for c in commands if "tpot_64k" in c]
+    zigzag_file = str((tmp_path / "dry" / "patterns" / "zigzag-0.5.json").resolve())
+    zigzag_config = json.dumps({"duo": {"pattern": zigzag_file, "sink": 64, "recent": 256}})
+    assert sum(zigzag_config in c for c in tpot) == zigzag_runs  # the stored layer-exclusive mask: no sparsity
+    assert sum("--attention-backend duo" in c for c in tpot) == duo_runs + zigzag_runs
+    assert sum("--attention-backend" not in c for c in tpot) == dense_runs
+    assert not any(zigzag_file in c for c in commands if "capacity" in c)
+    assert not (tmp_path / "dry").exists()
+
+
+def test_zigzag_patterns_are_written_layer_exclusive(tmp_path):
+    settings = bench.Settings(model="/models/llama8b", tokenizer=None, load_format="dummy",
+                              pattern="Meta-Llama-3.1-8B-Instruct", sparsity=[0.5], capacity_sparsity=[0.5],
+                              zigzag_sparsity=[0.25, 0.5], sink=64, recent=256, workloads=[], extra_dense_backends=[],
+                              engine_args=[], out=tmp_path, timeout=60)
+    settings.write_zigzag_patterns()
+    for sparsity, streaming_layers in ((0.25, 8), (0.5, 16)):
+        written = json.loads(settings.zigzag_file(sparsity).read_text())
+        rows = written["retrieval_mask"]
+        assert written["layer_exclusive"] and len(rows) == 32
+        assert all(len(set(row)) == 1 for row in rows)  # each layer all retrieval or all streaming
+        assert sum(row[0] == 0 for row in rows) == streaming_layers
+    without_pattern = dataclasses.replace(settings, pattern=None)
+    with pytest.raises(bench.BenchError, match="--zigzag-sparsity needs --pattern"):
+        without_pattern.write_zigzag_patterns()
 
 
 def test_startup_figures_from_a_log():
@@ -165,13 +213,14 @@ def test_sigterm_stops_the_run_in_flight(tmp_path):
 
 def _run(workload, backend, phase="main", **fields):
     spec = bench.WORKLOADS[workload]
+    duo_kind = backend.startswith(("duo", "zigzag"))
     run = {"workload": workload, "kind": spec.kind, "backend": backend, "phase": phase, "status": "ok",
-           "attention_backend": "duo" if backend.startswith("duo") else None,
-           "sparsity": 0.5 if backend.startswith("duo") else None, "input_len": spec.input_len,
+           "attention_backend": "duo" if duo_kind else None, "layer_exclusive": backend.startswith("zigzag"),
+           "sparsity": 0.5 if duo_kind else None, "input_len": spec.input_len,
            "output_len": 1 if phase == "prefill" else spec.output_len, "num_prompts": spec.num_prompts,
            "batch_size": spec.batch_size, "max_model_len": spec.max_model_len, "command": f"vllm bench {workload}",
            "log": f"logs/{workload}.log", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "wall_s": 60.0}
-    if backend.startswith("duo"):
+    if duo_kind:
         fields = {"retrieval_ratio": 0.5, "sink": 64, "recent": 256, **fields}
     return {**run, **fields}
 
@@ -191,22 +240,33 @@ def test_report_tables_limits_and_plots(tmp_path):
         _run("tpot_64k", "dense", "prefill", metrics={"avg_latency_s": 8.0}),
         _run("tpot_64k", "duo s=0.5", metrics={"avg_latency_s": 7.0}),
         _run("tpot_64k", "duo s=0.5", "prefill", metrics={"avg_latency_s": 5.8}),
+        _run("tpot_64k", "zigzag s=0.5", metrics={"avg_latency_s": 6.9}),
+        _run("tpot_64k", "zigzag s=0.5", "prefill", metrics={"avg_latency_s": 5.8}),
         _run("serve_16k", "dense", "rate=1", metrics={"output_tok_s": 300.0, "p99_ttft_ms": 900.0,
                                                       "mean_tpot_ms": 40.0, "completed": 24, "failed": 0}),
         _run("serve_16k", "duo s=0.5", "rate=1", metrics={"output_tok_s": 310.0, "p99_ttft_ms": 700.0,
                                                           "mean_tpot_ms": 30.0, "completed": 24, "failed": 0}),
+        *(_run("tpot_sweep", backend, f"in={n} rate=inf", input_len=n, request_rate="inf", client_concurrency=4,
+               metrics={"median_itl_ms": itl, "completed": 4, "failed": 0})
+          for backend, n, itl in (("dense", 4096, 8.0), ("duo s=0.5", 4096, 7.0), ("dense", 65536, 20.0),
+                                  ("duo s=0.5", 65536, 12.0))),
     ]
     results = {"device": "NVIDIA H100 80GB HBM3", "model_shape": LLAMA_8B, "runs": runs,
                "workloads": {name: dict(vars(bench.WORKLOADS[name])) for name in
-                             ("capacity", "prefill_heavy", "short", "tpot_64k", "serve_16k")}}
+                             ("capacity", "prefill_heavy", "short", "tpot_64k", "serve_16k", "tpot_sweep")}}
     report = bench_report.markdown(results, tmp_path, plots=True)
 
     # capacity: 131072 / (0.5 * 131072 + 0.5 * 320) = 1.995x is the limit; 6.9 / 3.49 = 1.98x measured
     assert "| duo s=0.5 | - | 6.90x | 1.98x | 2.00x | 99% |" in report
     # tpot: (10 - 8) / 127 = 15.75 ms dense, (7 - 5.8) / 127 = 9.45 ms duo
     assert "| 15.75 |" in report and "| 9.45 | 0.60x |" in report
+    # zigzag after duo, against the same dense run: (6.9 - 5.8) / 127 = 8.66 ms
+    assert report.index("| duo s=0.5 | 7.000") < report.index("| zigzag s=0.5 | 6.900")
+    assert "| 8.66 | 0.55x |" in report
     assert "**failed**" in report and "Traceback ... boom" in report
-    assert "| duo s=0.5 | 1 | 310.0 | 700 |" in report
+    assert "| duo s=0.5 | 16,000 | 1 | 310.0 | 700 |" in report
+    # the sweep: one row per prompt length, median ITL against dense's at the same length
+    assert "| duo s=0.5 | 65,536 | inf |" in report and "| 12.0 | 4/0 | - | - | 0.60x |" in report
     for name in ("output_throughput_vs_context_length.png", "time_per_output_token_vs_context_length.png",
                  "maximum_concurrency_vs_sparsity.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 0

@@ -55,20 +55,37 @@ class Workload:
     num_iters_warmup: int = 1  # latency
     prefill_baseline: bool = False  # latency: also run with output 1; TPOT = (latency - that) / (output_len - 1)
     request_rates: tuple[float, ...] = ()  # serve
+    input_lens: tuple[int, ...] = ()  # serve: one client per prompt length, all against one server (else input_len)
+    max_concurrency: int = 0  # serve: requests in flight at most (bench serve --max-concurrency); 0: no limit
     engine_args: tuple[str, ...] = ()  # added to every engine of this workload, dense and duo alike
     cpu: bool = False  # a CPU-stack check of the harness (figures meaningless); not part of "all"
     measures: str = ""
+
+    def serve_points(self) -> list[tuple[int, float]]:
+        """(prompt length, request rate) of each `bench serve` client, all against one server of this workload."""
+        return [(n, rate) for rate in self.request_rates for n in self.input_lens or (self.input_len,)]
+
+    def serve_phase(self, input_len: int, rate: float) -> str:
+        phase = f"rate={_rate_text(rate)}"
+        return f"in={input_len} {phase}" if self.input_lens else phase
 
     def describe(self) -> str:
         if self.kind == "latency":
             shape = f"batch {self.batch_size} x {self.input_len:,} in / {self.output_len:,} out"
         elif self.kind == "serve":
             rates = ", ".join(_rate_text(r) for r in self.request_rates)
-            shape = f"{_prompts(self.num_prompts)} x {self.input_len:,} in / {self.output_len:,} out at {rates} req/s"
+            lens = " or ".join(f"{n:,}" for n in self.input_lens or (self.input_len,))
+            at_once = f", at most {self.max_concurrency} at once" if self.max_concurrency else ""
+            shape = f"{_prompts(self.num_prompts)} x {lens} in / {self.output_len:,} out at {rates} req/s{at_once}"
         else:
             shape = f"{_prompts(self.num_prompts)} x {self.input_len:,} in / {self.output_len:,} out"
         extra = f", {' '.join(self.engine_args)}" if self.engine_args else ""
         return f"`bench {self.kind}`, {shape}, max_model_len {self.max_model_len:,}{extra}"
+
+
+def _file_part(phase: str) -> str:
+    """A serve phase ("rate=2", "in=1024 rate=inf") as a file name part ("rate-2", "in-1024__rate-inf")."""
+    return phase.replace("=", "-").replace(" ", "__")
 
 
 def _prompts(n: int) -> str:
@@ -99,6 +116,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                       "request rate; 2 req/s is past what dense sustains on an H100 (about 1 req/s of 16k "
                       "prefills), and 96 prompts keep it there for most of the run (24 did not: every request "
                       "still ran at once)"),
+    Workload("tpot_sweep", "serve", 99000, 98304, 256, num_prompts=4, max_concurrency=4,
+             request_rates=(float("inf"),), input_lens=(1024, 4096, 16384, 65536, 98304),
+             measures="decode speed by context length, one server per backend: median inter-token latency of 4 "
+                      "requests at once (the steps where all 4 decode), 1k to 96k (4 x 128k would not fit dense's "
+                      "KV cache on an H100)"),
     Workload("tiny", "throughput", 512, 128, 16, num_prompts=4, engine_args=_CPU_ARGS, cpu=True,
              measures="CPU check that the harness works (SmolLM2-135M); the figures mean nothing"),
     Workload("tiny_latency", "latency", 512, 128, 8, batch_size=2, prefill_baseline=True, engine_args=_CPU_ARGS,
@@ -120,6 +142,7 @@ class Variant:
     label: str
     backend: str | None = None  # --attention-backend; None: vLLM's default
     sparsity: float | None = None
+    layer_exclusive: bool = False  # duo serving the pattern's ZigzagAttention form at `sparsity`
 
     @property
     def slug(self) -> str:
@@ -138,6 +161,10 @@ def duo(sparsity: float) -> Variant:
     return Variant(f"duo s={sparsity:g}", "duo", sparsity)
 
 
+def zigzag(sparsity: float) -> Variant:
+    return Variant(f"zigzag s={sparsity:g}", "duo", sparsity, layer_exclusive=True)
+
+
 @dataclass
 class Settings:
     model: str
@@ -146,6 +173,7 @@ class Settings:
     pattern: str | None
     sparsity: list[float]
     capacity_sparsity: list[float]
+    zigzag_sparsity: list[float]
     sink: int
     recent: int
     workloads: list[Workload]
@@ -154,12 +182,34 @@ class Settings:
     out: Path
     timeout: float
     dry_run: bool = False
-    only: str | None = None  # "dense" or "duo": one side of a suite split over several calls into one --out
+    only: str | None = None  # "dense", "duo" or "zigzag": one side of a suite split over calls into one --out
     argv: list[str] = field(default_factory=list)
 
-    def duo_config(self, sparsity: float) -> dict:
-        config = {"sparsity": sparsity, "sink": self.sink, "recent": self.recent}
+    def duo_config(self, variant: Variant) -> dict:
+        if variant.layer_exclusive:  # the file's stored layer-exclusive mask, not the gates at a sparsity
+            return {"pattern": str(self.zigzag_file(variant.sparsity)), "sink": self.sink, "recent": self.recent}
+        config = {"sparsity": variant.sparsity, "sink": self.sink, "recent": self.recent}
         return {"pattern": self.pattern, **config} if self.pattern else config
+
+    def zigzag_file(self, sparsity: float) -> Path:
+        return (self.out / "patterns" / f"zigzag-{sparsity:g}.json").resolve()
+
+    def write_zigzag_patterns(self) -> None:
+        """The layer-exclusive form of --pattern at each --zigzag-sparsity, kept with the results (a dry run only
+        checks that it can be made), before any vLLM run."""
+        from vllm_duo.pattern import resolve_pattern
+        from vllm_duo.zigzag import zigzag_pattern
+
+        if not self.zigzag_sparsity:
+            return
+        if not self.pattern:
+            raise BenchError("--zigzag-sparsity needs --pattern: the head pattern whose gates choose the layers")
+        pattern, source = resolve_pattern(self.pattern)
+        for sparsity in self.zigzag_sparsity:
+            layer_exclusive = zigzag_pattern(pattern, sparsity, origin=source)
+            if not self.dry_run:
+                self.zigzag_file(sparsity).parent.mkdir(parents=True, exist_ok=True)
+                layer_exclusive.save(self.zigzag_file(sparsity))
 
 
 # ---------------------------------------------------------------------------------------------------- commands
@@ -192,7 +242,7 @@ def engine_args(settings: Settings, workload: Workload, variant: Variant) -> lis
     if variant.backend:
         args += ["--attention-backend", variant.backend]
     if variant.is_duo:
-        args += ["--additional-config", json.dumps({"duo": settings.duo_config(variant.sparsity)})]
+        args += ["--additional-config", json.dumps({"duo": settings.duo_config(variant)})]
     return args + list(workload.engine_args) + settings.engine_args
 
 
@@ -214,12 +264,14 @@ def server_command(settings: Settings, workload: Workload, variant: Variant, por
             "--host", "127.0.0.1", "--port", str(port)]
 
 
-def client_command(settings: Settings, workload: Workload, rate: float, port: int, json_path: Path) -> list[str]:
+def client_command(settings: Settings, workload: Workload, input_len: int, rate: float, port: int,
+                   json_path: Path) -> list[str]:
     tokenizer = ["--tokenizer", settings.tokenizer] if settings.tokenizer else []
+    at_once = ["--max-concurrency", str(workload.max_concurrency)] if workload.max_concurrency else []
     return vllm_cli() + ["bench", "serve", "--backend", "vllm", "--model", settings.model, *tokenizer,
                          "--host", "127.0.0.1", "--port", str(port), "--dataset-name", "random",
-                         "--random-input-len", str(workload.input_len), "--random-output-len", str(workload.output_len),
-                         "--num-prompts", str(workload.num_prompts), "--request-rate", _rate_text(rate),
+                         "--random-input-len", str(input_len), "--random-output-len", str(workload.output_len),
+                         "--num-prompts", str(workload.num_prompts), "--request-rate", _rate_text(rate), *at_once,
                          "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                          "--save-result", "--result-dir", str(json_path.parent), "--result-filename", json_path.name]
 
@@ -436,7 +488,8 @@ def variants_for(settings: Settings, workload: Workload, available_dense: list[s
     sparsities = settings.capacity_sparsity if workload.name == "capacity" else settings.sparsity
     baselines = [dense()] + [Variant(name, name) for name in available_dense]
     duos = [duo(s) for s in sparsities]
-    return {"dense": baselines, "duo": duos}.get(settings.only, baselines + duos)
+    zigzags = [] if workload.name == "capacity" else [zigzag(s) for s in settings.zigzag_sparsity]
+    return {"dense": baselines, "duo": duos, "zigzag": zigzags}.get(settings.only, baselines + duos + zigzags)
 
 
 def check_dense_backends(names: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -478,7 +531,7 @@ class Suite:
 
     def num_runs(self) -> int:
         per = {"throughput": lambda w: 1, "latency": lambda w: 2 if w.prefill_baseline else 1,
-               "serve": lambda w: len(w.request_rates)}
+               "serve": lambda w: len(w.serve_points())}
         return sum(per[w.kind](w) for w, _ in self.planned())
 
     # --- bookkeeping
@@ -492,7 +545,8 @@ class Suite:
                   "max_model_len": workload.max_model_len, "command": shlex.join(command),
                   "model": self.settings.model, "load_format": self.settings.load_format, **self.machine}
         if variant.is_duo:
-            record.update(pattern=self.settings.pattern, sink=self.settings.sink, recent=self.settings.recent)
+            record.update(pattern=self.settings.duo_config(variant).get("pattern"), sink=self.settings.sink,
+                          recent=self.settings.recent, layer_exclusive=variant.layer_exclusive)
         record.update(fields)
         return record
 
@@ -520,7 +574,8 @@ class Suite:
     def _settings_json(self) -> dict:
         s = self.settings
         return {"model": s.model, "tokenizer": s.tokenizer, "load_format": s.load_format, "pattern": s.pattern,
-                "sparsity": s.sparsity, "capacity_sparsity": s.capacity_sparsity, "sink": s.sink, "recent": s.recent,
+                "sparsity": s.sparsity, "capacity_sparsity": s.capacity_sparsity,
+                "zigzag_sparsity": s.zigzag_sparsity, "sink": s.sink, "recent": s.recent,
                 "engine_args": s.engine_args, "timeout_s": s.timeout,
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("VLLM_", "CUDA_VISIBLE")) or k in ("HF_HUB_OFFLINE", "PYTHONPATH")}}
@@ -577,9 +632,9 @@ class Suite:
         server_log = out / "logs" / f"{stem}__server.log"
         if settings.dry_run:
             print(shlex.join(server_cmd) + " &")
-            for rate in workload.request_rates:
-                json_path = (out / "json" / f"{stem}__rate-{_rate_text(rate)}.json").resolve()
-                print(shlex.join(client_command(settings, workload, rate, port, json_path)))
+            for input_len, rate in workload.serve_points():
+                json_path = (out / "json" / f"{stem}__{_file_part(workload.serve_phase(input_len, rate))}.json")
+                print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve())))
             return
         server_log.parent.mkdir(parents=True, exist_ok=True)
         (out / "json").mkdir(parents=True, exist_ok=True)
@@ -593,23 +648,24 @@ class Suite:
             try:
                 not_ready = wait_healthy(port, server, settings.timeout)
                 startup_s = round(time.monotonic() - start, 1)
-                for rate in workload.request_rates:
-                    self._serve_rate(workload, variant, rate, port, server_cmd, server_log, startup_s, not_ready,
-                                     progress)
+                for input_len, rate in workload.serve_points():
+                    self._serve_point(workload, variant, input_len, rate, port, server_cmd, server_log, startup_s,
+                                      not_ready, progress)
             finally:
                 _stop_group(server)
 
-    def _serve_rate(self, workload, variant, rate, port, server_cmd, server_log, startup_s, not_ready,
-                    progress) -> None:
+    def _serve_point(self, workload, variant, input_len, rate, port, server_cmd, server_log, startup_s, not_ready,
+                     progress) -> None:
         out = self.settings.out
-        phase = f"rate={_rate_text(rate)}"
-        stem = f"{workload.name}__{variant.slug}__rate-{_rate_text(rate)}"
+        phase = workload.serve_phase(input_len, rate)
+        stem = f"{workload.name}__{variant.slug}__{_file_part(phase)}"
         json_path, log_path = out / "json" / f"{stem}.json", out / "logs" / f"{stem}.log"
-        cmd = client_command(self.settings, workload, rate, port, json_path.resolve())
+        cmd = client_command(self.settings, workload, input_len, rate, port, json_path.resolve())
         progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
         record = self._record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)),
                               server_log=str(server_log.relative_to(out)), server_command=shlex.join(server_cmd),
-                              server_startup_s=startup_s, request_rate=_rate_text(rate), started_at=_now())
+                              server_startup_s=startup_s, request_rate=_rate_text(rate), input_len=input_len,
+                              client_concurrency=workload.max_concurrency or None, started_at=_now())
         if not_ready:
             log = read_log(server_log)
             record.update(startup_figures(log), status="failed", error=not_ready, log_tail=log_tail(log),
@@ -687,6 +743,8 @@ def _coerce(workload: Workload, key: str, text: str):
     try:
         if key == "request_rates":
             return tuple(float(part) for part in text.split(","))
+        if key == "input_lens":
+            return tuple(int(part) for part in text.split(","))
         if key == "engine_args":
             return tuple(shlex.split(text))
         if isinstance(current, bool):
@@ -760,6 +818,7 @@ def command_line(args: argparse.Namespace, settings: Settings) -> list[str]:
     argv += ["--pattern", settings.pattern] if settings.pattern else []
     argv += ["--sparsity", *(f"{s:g}" for s in settings.sparsity)]
     argv += ["--capacity-sparsity", *(f"{s:g}" for s in args.capacity_sparsity)] if args.capacity_sparsity else []
+    argv += ["--zigzag-sparsity", *(f"{s:g}" for s in settings.zigzag_sparsity)] if settings.zigzag_sparsity else []
     argv += ["--sink", str(settings.sink), "--recent", str(settings.recent), "--workloads", *args.workloads]
     argv += ["--max-model-len", *args.max_model_len] if args.max_model_len else []
     argv += ["--set", *args.set] if args.set else []
@@ -785,15 +844,16 @@ def command(args: argparse.Namespace) -> str:
         from vllm_duo import smollm2
 
         model = str(smollm2.prepare())
-    if any(not 0 <= s <= 1 for s in args.sparsity + (args.capacity_sparsity or [])):
+    if any(not 0 <= s <= 1 for s in args.sparsity + (args.capacity_sparsity or []) + args.zigzag_sparsity):
         raise BenchError("sparsity values are fractions of streaming heads, in [0, 1]")
     out = Path(args.out) if args.out else default_out(device_name())
     settings = Settings(model=model, tokenizer=args.tokenizer, load_format=args.load_format, pattern=args.pattern,
                         sparsity=args.sparsity, capacity_sparsity=args.capacity_sparsity or args.sparsity,
-                        sink=args.sink, recent=args.recent, workloads=workloads,
+                        zigzag_sparsity=args.zigzag_sparsity, sink=args.sink, recent=args.recent, workloads=workloads,
                         extra_dense_backends=args.extra_dense_backends, engine_args=shlex.split(args.engine_args or ""),
                         out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only)
     settings.argv = command_line(args, settings)
+    settings.write_zigzag_patterns()
     if args.dry_run:
         suite = Suite(settings)
         print(f"# {suite.num_runs()} runs into {out}", flush=True)

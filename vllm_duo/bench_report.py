@@ -195,7 +195,8 @@ class Report:
 
     def backends(self, workload: str) -> list[str]:
         labels = list(dict.fromkeys(r["backend"] for r in self.of(workload)))
-        return sorted(labels, key=lambda b: (b != "dense", b.startswith("duo"), b))
+        duo_kinds = ("duo", "zigzag")
+        return sorted(labels, key=lambda b: (b != "dense", b.startswith(duo_kinds), b.startswith("zigzag"), b))
 
     def roofline(self, run: dict) -> Roofline | None:
         if self.shape is None:
@@ -305,8 +306,9 @@ class Report:
         return _metric(run, "avg_latency_s")
 
     def serve_table(self, workload: str) -> list[str]:
-        head = ("| backend | rate req/s | output tok/s | p99 TTFT ms | median TTFT ms | mean TPOT ms | p99 TPOT ms "
-                "| done/failed | duo/dense output tok/s | duo/dense p99 TTFT | KV cache tokens | max concurrency |")
+        head = ("| backend | input tokens | rate req/s | output tok/s | p99 TTFT ms | median TTFT ms | mean TPOT ms "
+                "| p99 TPOT ms | median ITL ms | done/failed | duo/dense output tok/s | duo/dense p99 TTFT "
+                "| duo/dense median ITL | KV cache tokens | max concurrency |")
         lines = [head, _separator(head)]
         phases = list(dict.fromkeys(r["phase"] for r in self.of(workload)))
         for phase in phases:
@@ -315,17 +317,17 @@ class Report:
                 run = self.find(workload, backend, phase)
                 if run is None:
                     continue
-                out_tok = _metric(run, "output_tok_s")
-                ttft = _metric(run, "p99_ttft_ms")
+                out_tok, ttft, itl = (_metric(run, key) for key in ("output_tok_s", "p99_ttft_ms", "median_itl_ms"))
                 other = backend != "dense"
                 done = f"{_fmt(_metric(run, 'completed'), 0)}/{_fmt(_metric(run, 'failed'), 0)}"
+                ratios = [_fmt(_ratio(value, _metric(dense, key)) if other else None, 2, "x")
+                          for value, key in ((out_tok, "output_tok_s"), (ttft, "p99_ttft_ms"), (itl, "median_itl_ms"))]
                 lines.append(
-                    f"| {backend} | {phase.split('=', 1)[1]} | {self._value_or_status(run, out_tok)} | {_fmt(ttft, 0)} "
+                    f"| {backend} | {run['input_len']:,} | {run.get('request_rate') or phase.rsplit('=', 1)[1]} "
+                    f"| {self._value_or_status(run, out_tok)} | {_fmt(ttft, 0)} "
                     f"| {_fmt(_metric(run, 'median_ttft_ms'), 0)} | {_fmt(_metric(run, 'mean_tpot_ms'), 1)} "
-                    f"| {_fmt(_metric(run, 'p99_tpot_ms'), 1)} | {done} "
-                    f"| {_fmt(_ratio(out_tok, _metric(dense, 'output_tok_s')) if other else None, 2, 'x')} "
-                    f"| {_fmt(_ratio(ttft, _metric(dense, 'p99_ttft_ms')) if other else None, 2, 'x')} | "
-                    + " | ".join(self.capacity_cells(run)) + " |")
+                    f"| {_fmt(_metric(run, 'p99_tpot_ms'), 1)} | {_fmt(itl, 1)} | {done} | " + " | ".join(ratios)
+                    + " | " + " | ".join(self.capacity_cells(run)) + " |")
         return lines
 
     @staticmethod
@@ -392,6 +394,7 @@ class Report:
             from vllm_duo.bench import Workload
 
             workload = Workload(**{**spec, "request_rates": tuple(spec.get("request_rates", ())),
+                                   "input_lens": tuple(spec.get("input_lens", ())),
                                    "engine_args": tuple(spec.get("engine_args", ()))})
             lines += [f"{workload.describe()}. {workload.measures}.", ""]
         started = min(run.get("started_at") or "?" for run in runs)
@@ -529,6 +532,9 @@ class Report:
                 if value is not None:
                     points.append((run["backend"], f"latency, batch {run['batch_size']}", context, value,
                                    run["workload"]))
+            elif run["kind"] == "serve" and run.get("client_concurrency") and _metric(run, "median_itl_ms"):
+                points.append((run["backend"], f"serve, median ITL, {run['client_concurrency']} at once", context,
+                               run["metrics"]["median_itl_ms"], run["workload"]))
             elif run["kind"] == "serve" and _metric(run, "mean_tpot_ms") is not None:
                 points.append((run["backend"], "serve, mean under load", context, run["metrics"]["mean_tpot_ms"],
                                f"{run['workload']} {run['phase']}"))
@@ -539,7 +545,7 @@ class Report:
         for run in self.runs:
             if run.get("max_concurrency") is None:
                 continue
-            if run["backend"] == "dense" or run.get("sparsity") is not None:
+            if run["backend"] == "dense" or (run.get("sparsity") is not None and not run.get("layer_exclusive")):
                 groups.setdefault(run["max_concurrency_len"], {}).setdefault(run["backend"], run)
         drawn = False
         for length, by_backend in sorted(groups.items()):

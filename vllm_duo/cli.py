@@ -126,6 +126,9 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--capacity-sparsity", type=float, nargs="+", metavar="S",
                         help="sparsities of the capacity workload only (default: --sparsity); its runs only start "
                              "vLLM, so sweep here")
+    parser.add_argument("--zigzag-sparsity", type=float, nargs="+", default=[], metavar="S",
+                        help="also run duo with the pattern's layer-exclusive (ZigzagAttention) form at these "
+                             "sparsities, written to OUT/patterns/ (not in the capacity workload)")
     parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
     parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
     parser.add_argument("--workloads", nargs="+", default=["all"], metavar="NAME",
@@ -141,9 +144,10 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--engine-args", metavar="'ARGS'",
                         help="more vLLM engine arguments for every run, dense and duo alike, e.g. "
                              "'--gpu-memory-utilization 0.9'")
-    parser.add_argument("--only", choices=["dense", "duo"],
-                        help="run only the dense baselines or only duo: one side of a suite split over several "
-                             "calls of one machine into the same --out, where the two sides meet in one report")
+    parser.add_argument("--only", choices=["dense", "duo", "zigzag"],
+                        help="run only the dense baselines, only head-level duo or only the zigzag runs: one part "
+                             "of a suite split over several calls of one machine into the same --out, where the "
+                             "parts meet in one report")
     parser.add_argument("--out", metavar="DIR",
                         help="results folder (default benchmarks/results/<timestamp>-<device>); into a folder "
                              "with a results.json the new runs are added, the same runs replaced")
