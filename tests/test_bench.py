@@ -80,6 +80,23 @@ def test_tiny_zigzag_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     assert set(per_layer) == {0, 3} and per_layer.count(0) == 15  # 15 of 30 layers streaming, the rest retrieval
 
 
+def test_tiny_serve_sweep_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    """The server path as tpot_sweep uses it: one duo server, one `bench serve` client per prompt length."""
+    out = tmp_path / "results"
+    code = cli.main(["bench", "--workloads", "tiny_serve", "--model", smollm2_dir, "--sparsity", "0.5", "--only", "duo",
+                     "--set", "tiny_serve.input_lens=64,128", "tiny_serve.max_concurrency=2",
+                     "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
+    assert code == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(run["phase"], run["input_len"]) for run in runs] == [("in=64 rate=inf", 64), ("in=128 rate=inf", 128)]
+    for run in runs:
+        assert run["status"] == "ok", run.get("log_tail")
+        assert "--max-concurrency 2" in run["command"] and run["client_concurrency"] == 2
+        assert run["metrics"]["completed"] == 4 and run["metrics"]["median_itl_ms"] > 0
+        assert run["server_log"] == runs[0]["server_log"]  # both clients against one server
+    assert "| duo s=0.5 | 128 | inf |" in (out / "results.md").read_text()
+
+
 def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     assert cli.main(["bench", "--model", "/models/llama8b", "--tokenizer", "/models/smol", "--sparsity", "0.5",
                      "--capacity-sparsity", "0.25", "0.5", "--pattern", "Meta-Llama-3.1-8B-Instruct",

@@ -596,7 +596,10 @@ class Report:
                     unit = " ms TPOT" if with_tpot else " s latency"
                 else:
                     value, base = _metric(run, "output_tok_s"), _metric(dense_main, "output_tok_s")
-                    unit = " out tok/s" + (f" at {phase.split('=', 1)[1]} req/s" if phase != "main" else "")
+                    unit = " out tok/s"
+                    if phase != "main":  # serve: the first client's rate (and prompt length, in a sweep)
+                        sweep = f", {run['input_len']:,}-token prompts" if phase.startswith("in=") else ""
+                        unit += f" at {run.get('request_rate') or phase.rsplit('=', 1)[1]} req/s{sweep}"
                 ratio = f" ({value / base:.2f}x dense)" if value is not None and base and backend != "dense" else ""
                 parts.append(f"{backend} {_fmt(value, 2)}{unit}{ratio}")
             lines.append(f"{name}: " + "; ".join(parts))
