@@ -129,6 +129,11 @@ def device_peaks(device: str) -> tuple[float, float, str]:
 # ---------------------------------------------------------------------------------------------------- metrics
 
 
+def _request_rate(run: dict) -> str:
+    """A serve run's request rate: recorded, or the last `rate=` of its phase ("rate=2", "in=1024 rate=inf")."""
+    return run.get("request_rate") or run["phase"].rsplit("=", 1)[1]
+
+
 def _ok(run: dict | None) -> bool:
     return bool(run) and run.get("status") == "ok"
 
@@ -323,7 +328,7 @@ class Report:
                 ratios = [_fmt(_ratio(value, _metric(dense, key)) if other else None, 2, "x")
                           for value, key in ((out_tok, "output_tok_s"), (ttft, "p99_ttft_ms"), (itl, "median_itl_ms"))]
                 lines.append(
-                    f"| {backend} | {run['input_len']:,} | {run.get('request_rate') or phase.rsplit('=', 1)[1]} "
+                    f"| {backend} | {run['input_len']:,} | {_request_rate(run)} "
                     f"| {self._value_or_status(run, out_tok)} | {_fmt(ttft, 0)} "
                     f"| {_fmt(_metric(run, 'median_ttft_ms'), 0)} | {_fmt(_metric(run, 'mean_tpot_ms'), 1)} "
                     f"| {_fmt(_metric(run, 'p99_tpot_ms'), 1)} | {_fmt(itl, 1)} | {done} | " + " | ".join(ratios)
@@ -599,7 +604,7 @@ class Report:
                     unit = " out tok/s"
                     if phase != "main":  # serve: the first client's rate (and prompt length, in a sweep)
                         sweep = f", {run['input_len']:,}-token prompts" if phase.startswith("in=") else ""
-                        unit += f" at {run.get('request_rate') or phase.rsplit('=', 1)[1]} req/s{sweep}"
+                        unit += f" at {_request_rate(run)} req/s{sweep}"
                 ratio = f" ({value / base:.2f}x dense)" if value is not None and base and backend != "dense" else ""
                 parts.append(f"{backend} {_fmt(value, 2)}{unit}{ratio}")
             lines.append(f"{name}: " + "; ".join(parts))

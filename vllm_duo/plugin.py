@@ -66,7 +66,7 @@ def _size_block_table_by_widest_layer() -> None:
     UniformTypeKVCacheSpecs.max_num_blocks_per_req = max_num_blocks_per_req
 
 
-def duo_ring_tokens(kv_cache_config, vllm_config, max_len: int) -> int:
+def _duo_ring_tokens(kv_cache_config, vllm_config, max_len: int) -> int:
     """Tokens' worth of blocks that a duo request holds beyond `max_len` tokens of pages (its ring blocks)."""
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
@@ -94,7 +94,7 @@ def _widen_v2_block_tables_by_rings() -> None:
 
     def initialize_kv_cache(self, kv_cache_config):
         # The V2 runner reads self.max_model_len only here, for the rows' width (`block_table_max_model_len`).
-        extra = duo_ring_tokens(kv_cache_config, self.vllm_config, self.max_model_len)
+        extra = _duo_ring_tokens(kv_cache_config, self.vllm_config, self.max_model_len)
         self.max_model_len += extra
         try:
             return initialize(self, kv_cache_config)
