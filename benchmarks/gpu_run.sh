@@ -31,15 +31,27 @@ for stage in "$@"; do
       suite --workloads decode_heavy --only dense ;;
     suite6) suite --workloads decode_heavy --only duo ;;
     suite7) suite --workloads prefill_heavy ;;
+    serve16k_dense) suite --workloads serve_16k --only dense ;;  # suite4-5's serving parts, one call each
+    serve16k_duo) suite --workloads serve_16k --only duo ;;
     # issue 9: zigzag (layer-exclusive) vs head-level duo vs dense at 50%, one part per backend (not run yet)
     zigzag1) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only dense ;;
     zigzag2) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only duo ;;
     zigzag3) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only zigzag ;;
     zigzag4) bench zigzag --workloads decode_heavy --zigzag-sparsity 0.5 --only zigzag ;;  # dense, duo: suite5-6
-    identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at 4k-8k tokens
+    identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at its 8k context; the
+      # pattern stays in $WORK/identify for the eval stage of a later call ($OUT is new each call)
+      mkdir -p $WORK/identify
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
-        -o $OUT/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct --alias HuggingFaceTB/SmolLM2-135M-Instruct \
-        --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' | tee "$OUT/identify.log" | tail -6 ;;
+        -o $WORK/identify/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
+        --alias HuggingFaceTB/SmolLM2-135M-Instruct --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' \
+        | tee "$OUT/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -4; grep "identify:" "$OUT/identify.log" | tail -1
+      cp $WORK/identify/*.json "$OUT/" ;;
+    eval)  # passkey eval through vLLM on SmolLM2 (issue 8): EVAL_PATTERN (default: the identify stage's), EVAL_ARGS
+      name=eval-${EVAL_NAME:-trained}
+      timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli eval --model /tmp/smol --no-progress \
+        --pattern ${EVAL_PATTERN:-$WORK/identify/SmolLM2-135M-Instruct.json} --out $WORK/$name ${EVAL_ARGS:-} 2>&1 \
+        | tee "$OUT/$name.log" | tail -20
+      tar czf "$OUT/$name.tgz" -C $WORK "$name" ;;
     serve)  # tests/test_server.py through `vllm serve` (on CUDA it launches that; the carried vLLM is unpacked, not
       # pip-installed, so its console script is written here: the same two lines pip would write)
       mkdir -p /tmp/bin && printf '#!/usr/bin/env python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' > /tmp/bin/vllm
