@@ -37,6 +37,9 @@ for stage in "$@"; do
     zigzag1) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only dense ;;
     zigzag2) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only duo ;;
     zigzag3) bench zigzag --workloads tpot_sweep --zigzag-sparsity 0.5 --only zigzag ;;
+    zigzag_long)  # ONLY=dense|duo|zigzag: the sweep's 16k-96k lengths, for a machine with time for two backends
+      bench zigzag-long --workloads tpot_sweep --zigzag-sparsity 0.5 --set tpot_sweep.input_lens=16384,65536,98304 \
+        --only ${ONLY:?set ONLY} ;;
     zigzag4) bench zigzag --workloads decode_heavy --zigzag-sparsity 0.5 --only zigzag ;;  # dense, duo: suite5-6
     identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at its 8k context; the
       # pattern stays in $WORK/identify for the eval stage of a later call ($OUT is new each call)
