@@ -41,14 +41,18 @@ for stage in "$@"; do
       bench zigzag-long --workloads tpot_sweep --zigzag-sparsity 0.5 --set tpot_sweep.input_lens=16384,65536,98304 \
         --only ${ONLY:?set ONLY} ;;
     zigzag4) bench zigzag --workloads decode_heavy --zigzag-sparsity 0.5 --only zigzag ;;  # dense, duo: suite5-6
-    identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at its 8k context; the
-      # pattern stays in $WORK/identify for the eval stage of a later call ($OUT is new each call)
+    identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at its 8k context. A call
+      # stops a minute before its deadline with the training state in $WORK/identify; the same stage in the next call
+      # of the warm machine continues it (0.57 s/step on an H100: 2000 steps take 3 calls). The pattern stays there
+      # for the eval stage ($OUT is new each call).
       mkdir -p $WORK/identify
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
+        --checkpoint $WORK/identify/state.pt --time-limit $((DEADLINE - SECONDS - 60)) \
         -o $WORK/identify/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
         --alias HuggingFaceTB/SmolLM2-135M-Instruct --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' \
-        | tee "$OUT/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -4; grep "identify:" "$OUT/identify.log" | tail -1
-      cp $WORK/identify/*.json "$OUT/" ;;
+        | tee -a "$WORK/identify/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -4
+      grep "^identify: " "$WORK/identify/identify.log" | tail -1
+      cp $WORK/identify/identify.log "$OUT/"; cp $WORK/identify/*.json "$OUT/" 2>/dev/null ;;
     eval)  # passkey eval through vLLM on SmolLM2 (issue 8): EVAL_PATTERN (default: the identify stage's), EVAL_ARGS
       name=eval-${EVAL_NAME:-trained}
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli eval --model /tmp/smol --no-progress \

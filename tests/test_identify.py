@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gate training on SmolLM2 (CPU, short prompts): only the gates learn, they stay in [0, 1], the pattern is valid."""
+import dataclasses
 import math
 import random
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from vllm_duo import cli, identify, pattern_report
-from vllm_duo.pattern import HeadPattern, read_hf_config
+from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
 
 SETTINGS = identify.IdentifySettings(steps=3, context_len=256, sink=8, recent=32, passkeys=2, seed=0)
 
@@ -85,3 +86,23 @@ def test_cli_writes_a_valid_pattern(smollm2_dir, tmp_path, capsys):
     pattern = HeadPattern.load(out)
     assert pattern.provenance.source == identify.SOURCE and pattern.sparsity == 0.5
     assert "2 steps" in pattern.provenance.method
+
+
+def test_a_stopped_run_continues_to_the_gates_of_an_uninterrupted_one(smollm2_dir, tmp_path):
+    """A device command's time limit stops identify with its state saved; running it again finishes the same run."""
+    straight = identify.train(smollm2_dir, SETTINGS, progress=False)
+    checkpoint, out = tmp_path / "state.pt", tmp_path / "p.json"
+    with pytest.raises(PatternError, match="needs a checkpoint"):
+        identify.identify(smollm2_dir, out, SETTINGS, progress=False, time_limit=60)
+    message = identify.identify(smollm2_dir, out, SETTINGS, progress=False, checkpoint=checkpoint, time_limit=0)
+    assert message.startswith(f"stopped at step 1 of {SETTINGS.steps}") and not out.exists()
+
+    resumed = identify.train(smollm2_dir, SETTINGS, progress=False, checkpoint=checkpoint)
+    assert identify.checkpoint_steps(checkpoint) == SETTINGS.steps == len(resumed.history)
+    assert np.array_equal(resumed.gates, straight.gates)
+    assert [s.loss for s in resumed.history] == [s.loss for s in straight.history]
+    assert "wrote" in identify.identify(smollm2_dir, out, SETTINGS, progress=False, checkpoint=checkpoint)
+    assert np.allclose(HeadPattern.load(out).gates, straight.gates, atol=1e-6)  # the file keeps 6 decimals
+
+    with pytest.raises(PatternError, match=r"other settings \(lr\)"):
+        identify.train(smollm2_dir, dataclasses.replace(SETTINGS, lr=0.01), progress=False, checkpoint=checkpoint)

@@ -188,6 +188,12 @@ def _add_identify_command(commands: _Subparsers) -> None:
     parser.add_argument("--grad-checkpoint", action="store_true",
                         help="recompute each layer in the backward pass (for long contexts or large models)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--checkpoint", metavar="PATH",
+                        help="continue from this training-state file when it exists; save to it every "
+                             "50 steps and when stopping")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        help="stop training after this many seconds, state saved to --checkpoint, and write no "
+                             "pattern yet: for machines that limit a command's time (run again to continue)")
     parser.add_argument("--processes", type=int,
                         help="data-parallel processes to spawn (default: the visible GPUs on CUDA, 1 on CPU)")
     parser.add_argument("--sparsity", type=float, default=0.5, help="the pattern's default sparsity (0.5)")
@@ -207,7 +213,8 @@ def _identify(args: argparse.Namespace) -> str:
         passkeys=args.passkeys, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
         device=args.device)
     return identify.identify(
-        args.model, args.output, settings, processes=args.processes, name=args.name, aliases=args.aliases,
+        args.model, args.output, settings, processes=args.processes, checkpoint=args.checkpoint,
+        time_limit=args.time_limit, name=args.name, aliases=args.aliases,
         sparsity=args.sparsity, deploy_sink=args.deploy_sink, deploy_recent=args.deploy_recent, date=args.date,
         license=args.license)
 

@@ -15,7 +15,7 @@ import random
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
 from vllm_duo.scoring import INTRO, haystack
 
 SOURCE = "vllm-duo identify"
+SAVE_EVERY = 50  # steps between checkpoint writes, when a checkpoint path is given
 _ATTENTION = "duo_gated"
 # The multi-key versions of scoring.py's NEEDLE and QUESTION: with several keys each needs a name.
 NEEDLE = "The {ordinal} pass key is {passkey}. Remember it. {passkey} is the {ordinal} pass key."
@@ -307,21 +308,90 @@ class GateTrainer:
         """Float64 [num_layers, num_kv_heads] copy of the gates."""
         return torch.stack([gate.detach().float().cpu() for gate in self.gates]).double().numpy()
 
+    def save(self, path: str | Path, steps_done: int, history: list[StepStats], wall_s: float) -> None:
+        """Writes what a later run needs to continue exactly: gates, AdamW and schedule state, the loss history.
+
+        Written to a temporary file and renamed, so a run killed mid-write leaves the previous checkpoint intact.
+        """
+        state = {"settings": _resumable(self.settings), "world_size": self.world_size, "steps_done": steps_done,
+                 "gates": [gate.detach().cpu() for gate in self.gates], "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "history": [asdict(stats) for stats in history],
+                 "wall_s": wall_s}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, path)
+
+    def load(self, path: str | Path) -> tuple[int, list[StepStats], float]:
+        """Restores a checkpoint of the same run; returns (steps done, history, wall seconds so far)."""
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        mine = (_resumable(self.settings), self.world_size)
+        if (state["settings"], state["world_size"]) != mine:
+            differ = sorted(k for k in mine[0] if state["settings"].get(k) != mine[0][k])
+            if state["world_size"] != self.world_size:
+                differ.append(f"processes ({state['world_size']} there)")
+            raise PatternError(f"checkpoint {path} belongs to a run with other settings ({', '.join(differ)}): "
+                               "repeat that run's options, or delete the checkpoint to start over")
+        with torch.no_grad():
+            for gate, saved in zip(self.gates, state["gates"]):
+                gate.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return state["steps_done"], [StepStats(**stats) for stats in state["history"]], state["wall_s"]
+
+
+def _resumable(settings: IdentifySettings) -> dict:
+    """The settings a continued run must share with the one that wrote the checkpoint (the device may change)."""
+    return {k: v for k, v in asdict(settings).items() if k != "device"}
+
+
+def checkpoint_steps(path: str | Path) -> int:
+    """Steps done in a checkpoint file."""
+    return torch.load(path, map_location="cpu", weights_only=True)["steps_done"]
+
 
 def train(model_dir: str | Path, settings: IdentifySettings, *, rank: int = 0, world_size: int = 1,
-          device: str | None = None, progress: bool = True) -> TrainResult:
-    """Trains the gates for settings.steps steps; a tqdm bar (on rank 0) shows the loss."""
+          device: str | None = None, progress: bool = True, checkpoint: str | Path | None = None,
+          time_limit: float | None = None) -> TrainResult:
+    """Trains the gates for settings.steps steps; a tqdm bar (on rank 0) shows the loss.
+
+    With `checkpoint`, a run continues from that file when it exists and saves to it every SAVE_EVERY steps and
+    when it stops. `time_limit` (seconds of training) stops it early, checkpoint saved, for machines that limit
+    a command's time: the result then has fewer than settings.steps steps of history.
+    """
     trainer = GateTrainer(model_dir, settings, rank=rank, world_size=world_size, device=device)
+    done, history, wall_before = 0, [], 0.0
+    if checkpoint is not None and Path(checkpoint).exists():
+        done, history, wall_before = trainer.load(checkpoint)
     start = time.perf_counter()
-    history = []
-    bar = tqdm(range(settings.steps), desc="identify", unit="step", disable=not progress or rank != 0)
+    bar = tqdm(range(done, settings.steps), desc="identify", unit="step", initial=done, total=settings.steps,
+               disable=not progress or rank != 0)
     for step in bar:
         stats = trainer.step(step)
         history.append(stats)
+        done = step + 1
         bar.set_postfix(loss=f"{stats.loss:.4f}", distill=f"{stats.distill:.4f}", reg=f"{stats.reg:.4f}",
                         lr=f"{stats.lr:.1e}", gate=f"{stats.mean_gate:.3f}")
-    return TrainResult(gates=trainer.gate_matrix(), history=history, wall_s=time.perf_counter() - start,
-                       world_size=world_size, device=str(trainer.device), dtype=str(trainer.dtype).split(".")[-1])
+        out_of_time = _agreed(time_limit is not None and time.perf_counter() - start >= time_limit, trainer)
+        if checkpoint is not None and rank == 0 and (done % SAVE_EVERY == 0 or done == settings.steps or out_of_time):
+            trainer.save(checkpoint, done, history, wall_before + time.perf_counter() - start)
+        if out_of_time:
+            break
+    return TrainResult(gates=trainer.gate_matrix(), history=history,
+                       wall_s=wall_before + time.perf_counter() - start, world_size=world_size,
+                       device=str(trainer.device), dtype=str(trainer.dtype).split(".")[-1])
+
+
+def _agreed(flag: bool, trainer: GateTrainer) -> bool:
+    """Rank 0's flag on every process, so that all stop at the same step."""
+    if trainer.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    shared = torch.tensor([flag], dtype=torch.int32, device=trainer.device)
+    dist.broadcast(shared, 0)
+    return bool(shared.item())
 
 
 def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: TrainResult, *, name: str | None = None,
@@ -354,15 +424,21 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
                                   date=date, license=license)
 
 
-def _worker(rank: int, world_size: int, model_dir: str, settings: IdentifySettings, out: str, options: dict,
-            port: int) -> None:
+def _worker(rank: int, world_size: int, model_dir: str, settings: IdentifySettings, out: str, run: dict,
+            options: dict, port: int) -> None:
     """One spawned process of a multi-process run; rank 0 writes the pattern."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
-    _run_distributed(model_dir, settings, out, options)
+    _run_distributed(model_dir, settings, out, run, options)
 
 
-def _run_distributed(model_dir: str, settings: IdentifySettings, out: str, options: dict) -> None:
+def _write_if_complete(model_dir: str, settings: IdentifySettings, result: TrainResult, out: str,
+                       options: dict) -> None:
+    if len(result.history) == settings.steps:
+        build_pattern(model_dir, settings, result, **options).save(out)
+
+
+def _run_distributed(model_dir: str, settings: IdentifySettings, out: str, run: dict, options: dict) -> None:
     """Runs one process of a torch.distributed job (torchrun or spawn): data parallel over samples."""
     import torch.distributed as dist
 
@@ -373,9 +449,9 @@ def _run_distributed(model_dir: str, settings: IdentifySettings, out: str, optio
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
     try:
-        result = train(model_dir, settings, rank=rank, world_size=world_size, device=device)
+        result = train(model_dir, settings, rank=rank, world_size=world_size, device=device, **run)
         if rank == 0:
-            build_pattern(model_dir, settings, result, **options).save(out)
+            _write_if_complete(model_dir, settings, result, out, options)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -388,19 +464,25 @@ def _free_port() -> int:
 
 
 def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings, *, processes: int | None = None,
-             progress: bool = True, **options) -> str:
+             progress: bool = True, checkpoint: str | Path | None = None, time_limit: float | None = None,
+             **options) -> str:
     """Trains the gates, writes the pattern JSON to `out` and returns a one-line summary.
 
     Under torchrun (WORLD_SIZE > 1) this process is one rank. Otherwise `processes` (default: the number of visible
     GPUs when training on CUDA, else 1) processes are spawned when it is above 1, each on its own GPU (gloo on CPU),
-    data parallel over samples with the gate gradients all-reduced. `options` go to build_pattern.
+    data parallel over samples with the gate gradients all-reduced. `checkpoint` and `time_limit` are train()'s:
+    a run stopped by the time limit writes no pattern, only the checkpoint. `options` go to build_pattern.
     """
     settings.check()
     model_dir, out = str(model_dir), str(out)
+    if time_limit is not None and checkpoint is None:
+        raise PatternError("a time limit needs a checkpoint (--checkpoint PATH): without one the stopped run's "
+                           "training would be lost")
+    run = {"checkpoint": None if checkpoint is None else str(checkpoint), "time_limit": time_limit}
     read_hf_config(model_dir)  # a wrong folder fails here, not in every spawned process
     cuda = (settings.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _run_distributed(model_dir, settings, out, options)
+        _run_distributed(model_dir, settings, out, run, options)
         if int(os.environ["RANK"]) != 0:
             return ""
     else:
@@ -408,10 +490,14 @@ def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings,
         if processes > 1:
             import torch.multiprocessing as mp
 
-            mp.spawn(_worker, args=(processes, model_dir, settings, out, options, _free_port()), nprocs=processes)
+            mp.spawn(_worker, args=(processes, model_dir, settings, out, run, options, _free_port()),
+                     nprocs=processes)
         else:
-            result = train(model_dir, settings, progress=progress)
-            build_pattern(model_dir, settings, result, **options).save(out)
+            _write_if_complete(model_dir, settings, train(model_dir, settings, progress=progress, **run), out,
+                               options)
+    if checkpoint is not None and (done := checkpoint_steps(checkpoint)) < settings.steps:
+        return (f"stopped at step {done} of {settings.steps} (time limit); state saved in {checkpoint}: run the "
+                "same command again to continue")
     pattern = HeadPattern.load(out)
     counts = pattern.retrieval_counts()
     return (f"wrote {out}: {pattern.model.num_layers} layers x {pattern.model.num_kv_heads} KV heads, "
