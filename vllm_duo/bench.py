@@ -633,7 +633,7 @@ class Suite:
         if settings.dry_run:
             print(shlex.join(server_cmd) + " &")
             for input_len, rate in workload.serve_points():
-                json_path = (out / "json" / f"{stem}__{_file_part(workload.serve_phase(input_len, rate))}.json")
+                _, json_path, _ = self._serve_files(workload, variant, input_len, rate)
                 print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve())))
             return
         server_log.parent.mkdir(parents=True, exist_ok=True)
@@ -654,12 +654,16 @@ class Suite:
             finally:
                 _stop_group(server)
 
+    def _serve_files(self, workload: Workload, variant: Variant, input_len: int, rate: float) -> tuple[str, Path, Path]:
+        """A serve client's phase, and the paths of its vLLM JSON and its log."""
+        phase = workload.serve_phase(input_len, rate)
+        stem = f"{workload.name}__{variant.slug}__{_file_part(phase)}"
+        return phase, self.settings.out / "json" / f"{stem}.json", self.settings.out / "logs" / f"{stem}.log"
+
     def _serve_point(self, workload, variant, input_len, rate, port, server_cmd, server_log, startup_s, not_ready,
                      progress) -> None:
         out = self.settings.out
-        phase = workload.serve_phase(input_len, rate)
-        stem = f"{workload.name}__{variant.slug}__{_file_part(phase)}"
-        json_path, log_path = out / "json" / f"{stem}.json", out / "logs" / f"{stem}.log"
+        phase, json_path, log_path = self._serve_files(workload, variant, input_len, rate)
         cmd = client_command(self.settings, workload, input_len, rate, port, json_path.resolve())
         progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
         record = self._record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)),

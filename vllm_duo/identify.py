@@ -326,11 +326,11 @@ class GateTrainer:
     def load(self, path: str | Path) -> tuple[int, list[StepStats], float]:
         """Restores a checkpoint of the same run; returns (steps done, history, wall seconds so far)."""
         state = torch.load(path, map_location=self.device, weights_only=True)
-        mine = (_resumable(self.settings), self.world_size)
-        if (state["settings"], state["world_size"]) != mine:
-            differ = sorted(k for k in mine[0] if state["settings"].get(k) != mine[0][k])
-            if state["world_size"] != self.world_size:
-                differ.append(f"processes ({state['world_size']} there)")
+        mine = _resumable(self.settings)
+        differ = sorted(k for k in mine if state["settings"].get(k) != mine[k])
+        if state["world_size"] != self.world_size:
+            differ.append(f"processes ({state['world_size']} there)")
+        if differ:
             raise PatternError(f"checkpoint {path} belongs to a run with other settings ({', '.join(differ)}): "
                                "repeat that run's options, or delete the checkpoint to start over")
         with torch.no_grad():
@@ -373,7 +373,8 @@ def train(model_dir: str | Path, settings: IdentifySettings, *, rank: int = 0, w
         done = step + 1
         bar.set_postfix(loss=f"{stats.loss:.4f}", distill=f"{stats.distill:.4f}", reg=f"{stats.reg:.4f}",
                         lr=f"{stats.lr:.1e}", gate=f"{stats.mean_gate:.3f}")
-        out_of_time = _agreed(time_limit is not None and time.perf_counter() - start >= time_limit, trainer)
+        # every process has the same time_limit, so only limited runs pay the per-step broadcast
+        out_of_time = time_limit is not None and _agreed(time.perf_counter() - start >= time_limit, trainer)
         if checkpoint is not None and rank == 0 and (done % SAVE_EVERY == 0 or done == settings.steps or out_of_time):
             trainer.save(checkpoint, done, history, wall_before + time.perf_counter() - start)
         if out_of_time:
