@@ -427,8 +427,10 @@ def test_concurrent_load_with_preemption_and_hang_ups(server, smollm2_dir):
     assert settled, f"KV cache usage {metric(port, 'vllm:kv_cache_usage_perc')} after the load"
     counted = {key: value - before[key] for key, value in counters(port).items()}
     assert counted["preempted"] > 0, f"nothing was preempted: the KV cache was big enough for the load ({counted})"
-    # The hung-up requests were aborted, not run to the end; none failed.
-    assert counted["ran to max_tokens"] == NUM_CLIENTS - hang_ups and counted["failed"] == 0, counted
+    # None failed; the hung-up requests were aborted, not run to the end. A short request can still finish in the
+    # moment between a client's last read and its hang-up reaching the engine (CI saw one of 13), so most, not all.
+    aborted = NUM_CLIENTS - counted["ran to max_tokens"]
+    assert counted["failed"] == 0 and hang_ups // 2 <= aborted <= hang_ups, counted
 
     # Every completed greedy response equals the same request served alone.
     completed = [(c.job, text) for c, text in zip(clients, results) if c.hang_up_after is None]
