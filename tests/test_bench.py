@@ -178,6 +178,26 @@ def test_startup_figures_from_a_log():
     assert bench.throughput_metrics(raw, "", workload)["output_tok_s"] == pytest.approx(32 * 512 / 34.0)
 
 
+def _stats_line(clock: str, running: int, waiting: int, kv: float, extra: str = "") -> str:
+    return (f"(APIServer pid=7) INFO 11-24 {clock} [loggers.py:310] Engine 000: Avg prompt throughput: 16000.0 tokens/s,"
+            f" Avg generation throughput: 500.0 tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, {extra}"
+            f"GPU KV cache usage: {kv}%, Prefix cache hit rate: 0.0%")
+
+
+# A server log of two clients, one after the other: (clock, running, waiting, KV usage %, optional fields).
+SERVER_STATS = (("05:51:43", 3, 0, 10.5, ""),  # the first client's last 10 s
+                ("05:52:33", 10, 0, 34.8, ""), ("05:52:43", 28, 10, 98.1, "Preemptions: 2, "),
+                ("05:52:53", 27, 0, 94.8, ""), ("05:53:03", 0, 0, 0.0, ""))
+
+
+def test_engine_timeline_keeps_the_stats_lines_of_one_client():
+    log = "\n".join([_stats_line(*row) for row in SERVER_STATS] + ["INFO 11-24 05:52:40 [api_server.py:1] GET /metrics"])
+    samples = bench.engine_timeline(log, "2026-11-24T05:51:40+00:00", "2026-11-24T05:53:00+00:00")
+    assert [(s.seconds, s.running, s.waiting, s.kv_usage_pct) for s in samples] == [
+        (53.0, 10, 0, 34.8), (63.0, 28, 10, 98.1), (73.0, 27, 0, 94.8)]
+    assert samples[0].prompt_tok_s == 16000.0 and samples[0].generation_tok_s == 500.0
+
+
 def test_workload_overrides():
     chosen = bench.apply_overrides(bench.parse_workloads(["short", "serve_16k"]), ["short=3000"],
                                    ["short.num_prompts=64", "serve_16k.request_rates=1,inf"])
@@ -260,7 +280,9 @@ def test_report_tables_limits_and_plots(tmp_path):
         _run("tpot_64k", "zigzag s=0.5", metrics={"avg_latency_s": 6.9}),
         _run("tpot_64k", "zigzag s=0.5", "prefill", metrics={"avg_latency_s": 5.8}),
         _run("serve_16k", "dense", "rate=1", metrics={"output_tok_s": 300.0, "p99_ttft_ms": 900.0,
-                                                      "mean_tpot_ms": 40.0, "completed": 24, "failed": 0}),
+                                                      "mean_tpot_ms": 40.0, "completed": 24, "failed": 0},
+             server_log="logs/serve_16k__dense__server.log", started_at="2026-11-24T05:51:40+00:00",
+             finished_at="2026-11-24T05:54:00+00:00"),
         _run("serve_16k", "duo s=0.5", "rate=1", metrics={"output_tok_s": 310.0, "p99_ttft_ms": 700.0,
                                                           "mean_tpot_ms": 30.0, "completed": 24, "failed": 0}),
         *(_run("tpot_sweep", backend, f"in={n} rate=inf", input_len=n, request_rate="inf", client_concurrency=4,
@@ -271,6 +293,8 @@ def test_report_tables_limits_and_plots(tmp_path):
     results = {"device": "NVIDIA H100 80GB HBM3", "model_shape": LLAMA_8B, "runs": runs,
                "workloads": {name: dict(vars(bench.WORKLOADS[name])) for name in
                              ("capacity", "prefill_heavy", "short", "tpot_64k", "serve_16k", "tpot_sweep")}}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "serve_16k__dense__server.log").write_text("\n".join(_stats_line(*r) for r in SERVER_STATS))
     report = bench_report.markdown(results, tmp_path, plots=True)
 
     # capacity: 131072 / (0.5 * 131072 + 0.5 * 320) = 1.995x is the limit; 6.9 / 3.49 = 1.98x measured
@@ -284,8 +308,10 @@ def test_report_tables_limits_and_plots(tmp_path):
     assert "| duo s=0.5 | 16,000 | 1 | 310.0 | 700 |" in report
     # the sweep: one row per prompt length, median ITL against dense's at the same length
     assert "| duo s=0.5 | 65,536 | inf |" in report and "| 12.0 | 4/0 | - | - | 0.60x |" in report
+    # the serve profile: 3 busy stats lines of 10 s, one of them with a queue
+    assert "| dense | 1 | 30 | 28 | 10 | 10 | 98.1% | 16,000 | 500 |" in report
     for name in ("output_throughput_vs_context_length.png", "time_per_output_token_vs_context_length.png",
-                 "maximum_concurrency_vs_sparsity.png"):
+                 "maximum_concurrency_vs_sparsity.png", "requests_running_and_waiting_while_serving.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 0
 
     shape = bench_report.ModelShape(**LLAMA_8B)

@@ -342,6 +342,10 @@ _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request:
 _THROUGHPUT = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
 _RETRIEVAL = re.compile(r"retrieval ratio ([\d.]+)")
 _DTYPE = re.compile(r"\bdtype=torch\.(\w+)")
+# The engine's stats line, every 10 s while it is busy (vllm/v1/metrics/loggers.py); optional fields in between.
+_ENGINE_STATS = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d).*?Avg prompt throughput: ([\d.]+) tokens/s, Avg generation "
+                           r"throughput: ([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs.*?"
+                           r"KV cache usage: ([\d.]+)%")
 
 
 def read_log(path: Path) -> str:
@@ -367,6 +371,33 @@ def startup_figures(log: str) -> dict:
     duo_lines = [line[line.index("duo:"):].strip() for line in log.splitlines() if "duo:" in line]
     figures["duo_log"] = list(dict.fromkeys(duo_lines))[:6]
     return figures
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    seconds: float  # since the client started
+    running: int
+    waiting: int
+    kv_usage_pct: float
+    prompt_tok_s: float  # averages over the 10 s before the line
+    generation_tok_s: float
+
+
+def engine_timeline(log: str, started_at: str, finished_at: str) -> list[EngineSample]:
+    """The server's stats lines whose 10 s lie within one serve client's run: how full the engine was over time.
+
+    vLLM stamps them with month, day and local time; started_at and finished_at are local ISO times from the same
+    machine, so their wall clocks compare directly (the year comes from started_at)."""
+    start = datetime.datetime.fromisoformat(started_at).replace(tzinfo=None)
+    end = datetime.datetime.fromisoformat(finished_at).replace(tzinfo=None)
+    samples = []
+    for match in _ENGINE_STATS.finditer(log):
+        stamp = datetime.datetime.strptime(f"{start.year}-{match.group(1)}", "%Y-%m-%d %H:%M:%S")
+        if start + datetime.timedelta(seconds=10) <= stamp <= end:
+            prompt, generation, running, waiting, kv = match.groups()[1:]
+            samples.append(EngineSample((stamp - start).total_seconds(), int(running), int(waiting), float(kv),
+                                        float(prompt), float(generation)))
+    return samples
 
 
 def log_tail(log: str, lines: int = 40) -> str:

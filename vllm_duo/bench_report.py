@@ -335,6 +335,32 @@ class Report:
                     + " | " + " | ".join(self.capacity_cells(run)) + " |")
         return lines
 
+    def engine_timeline(self, run: dict) -> list:
+        from vllm_duo.bench import engine_timeline, read_log
+
+        if not (run.get("server_log") and run.get("started_at") and run.get("finished_at")):
+            return []
+        return engine_timeline(read_log(self.out / run["server_log"]), run["started_at"], run["finished_at"])
+
+    def engine_load_table(self, workload: str) -> list[str]:
+        """The profile of a serve run: the server's 10-second stats lines, summed up per backend and rate."""
+        head = ("| backend | rate req/s | busy s | peak running | peak waiting | s with requests waiting "
+                "| peak KV usage | prompt tok/s while busy | generation tok/s while busy |")
+        lines = [head, _separator(head)]
+        for run in sorted(self.of(workload), key=lambda r: (r["phase"], self.backends(workload).index(r["backend"]))):
+            busy = [s for s in self.engine_timeline(run) if s.running or s.waiting]
+            if not busy:
+                continue
+            lines.append(f"| {run['backend']} | {_request_rate(run)} | {10 * len(busy)} "
+                         f"| {max(s.running for s in busy)} | {max(s.waiting for s in busy)} "
+                         f"| {10 * sum(s.waiting > 0 for s in busy)} | {max(s.kv_usage_pct for s in busy):.1f}% "
+                         f"| {_fmt(sum(s.prompt_tok_s for s in busy) / len(busy), 0)} "
+                         f"| {_fmt(sum(s.generation_tok_s for s in busy) / len(busy), 0)} |")
+        if len(lines) == 2:
+            return []
+        return ["Engine load: the server's own stats lines (one every 10 s while busy, each averaging the 10 s "
+                "before it) during each client's run.", ""] + lines
+
     @staticmethod
     def _value_or_status(run: dict | None, value: float | None, digits: int = 1) -> str:
         if run is None:
@@ -414,6 +440,8 @@ class Report:
             lines += self.latency_table(name)
         else:
             lines += self.serve_table(name)
+            if load := self.engine_load_table(name):
+                lines += [""] + load
         return lines + [""]
 
     def model_section(self) -> list[str]:
@@ -483,7 +511,8 @@ class Report:
         lines = []
         for title, draw in (("Output throughput vs context length", self._plot_throughput),
                             ("Time per output token vs context length", self._plot_tpot),
-                            ("Maximum concurrency vs sparsity", self._plot_concurrency)):
+                            ("Maximum concurrency vs sparsity", self._plot_concurrency),
+                            ("Requests running and waiting while serving", self._plot_engine_load)):
             fig, ax = plt.subplots(figsize=(6.4, 4.2))
             why_not = draw(ax)
             if why_not:
@@ -574,6 +603,30 @@ class Report:
             return "no request length has both a dense and a duo startup figure, or two duo ones"
         ax.set_xlabel("sparsity (fraction of streaming heads; dense = 0)")
         ax.set_ylabel("maximum concurrency (vLLM's startup figure)")
+        return None
+
+    def _plot_engine_load(self, ax) -> str | None:
+        """Each serve workload at its highest request rate: running (solid) and waiting (dashed) over time."""
+        drawn = False
+        for workload in self.workloads():
+            runs = [r for r in self.of(workload) if r["kind"] == "serve"]
+            if not runs:
+                continue
+            top = max(float(_request_rate(r)) for r in runs)
+            for run in (r for r in runs if float(_request_rate(r)) == top):
+                busy = [s for s in self.engine_timeline(run) if s.running or s.waiting]
+                if not busy:
+                    continue
+                xs = [s.seconds - busy[0].seconds for s in busy]
+                label = f"{run['backend']}, {workload} at {_request_rate(run)} req/s"
+                line = ax.plot(xs, [s.running for s in busy], marker="o", markersize=3, label=f"{label}: running")[0]
+                ax.plot(xs, [s.waiting for s in busy], linestyle="--", color=line.get_color(),
+                        label=f"{run['backend']}: waiting")
+                drawn = True
+        if not drawn:
+            return "no serve run has the server's stats lines in its log"
+        ax.set_xlabel("seconds since the engine's first busy 10 s")
+        ax.set_ylabel("requests")
         return None
 
     # --- console
