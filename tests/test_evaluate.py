@@ -3,6 +3,8 @@
 sense."""
 import json
 
+import pytest
+
 from vllm_duo import cli, evaluate
 
 
@@ -12,6 +14,23 @@ def test_streaming_window_matches_the_duo_budget():
     recent = evaluate.streaming_recent(90, 0.5, 1010, 64, 256)
     assert recent == (45 * 1010 + 45 * 320) // 90 - 64
     assert abs(90 * (64 + recent) - evaluate.duo_kv_slots(90, 0.5, 1010, 64, 256)) < 90
+
+
+# (full's answers, the method's answers, lost, gained, 95% interval in points): hand-computed Agresti-Min intervals
+PAIRED_CASES = [
+    ([True] * 50 + [False] * 30, [True] * 46 + [False] * 4 + [True] * 2 + [False] * 28, 4, 2, (-8.74, 3.86)),
+    ([True] * 12, [True] * 12, 0, 0, (-14.0, 14.0)),  # no answer differs: still +-1.96 / 14
+    ([True] * 12, [False] * 12, 12, 0, (-100.0, -62.65)),  # clipped at -100
+]
+
+
+@pytest.mark.parametrize("full, method, lost, gained, interval", PAIRED_CASES)
+def test_paired_difference_with_full_attention(full, method, lost, gained, interval):
+    records = [{"method": name, "context_len": 1000, "depth": 0.5, "sample": i, "correct": correct}
+               for name, answers in (("full", full), ("duo50", method)) for i, correct in enumerate(answers)]
+    got = evaluate.paired_with_full(records, "full", "duo50")
+    assert got[:3] == (lost, gained, len(full))
+    assert got[3:] == pytest.approx(interval, abs=0.01)
 
 
 def test_tiny_eval_through_the_cli(smollm2_dir, tmp_path, capfd):  # capfd: vLLM needs a real stdout fileno
@@ -28,3 +47,8 @@ def test_tiny_eval_through_the_cli(smollm2_dir, tmp_path, capfd):  # capfd: vLLM
     assert zigzag["layer_exclusive"] and {sum(row) for row in zigzag["retrieval_mask"]} == {0, 3}
     assert len(results["records"]) == 3 and results["records"][0]["prompt_tokens"] <= 512
     assert (out / "heatmaps.png").is_file() and "| duo50 |" in (out / "results.md").read_text()
+
+    # --report-only redraws the report from results.json, running nothing
+    (out / "results.md").unlink()
+    assert cli.main(["eval", "--report-only", "--out", str(out)]) == 0
+    assert "| zigzag50 |" in (out / "results.md").read_text()

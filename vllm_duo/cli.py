@@ -253,6 +253,8 @@ def _add_eval_command(commands: _Subparsers) -> None:
     parser.add_argument("--out", metavar="DIR",
                         help="results folder (default benchmarks/results/eval-<model>-<cpu|gpu>-<date>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: rewrite results.md and the heatmaps of the results.json in --out")
     parser.set_defaults(handler=_eval)
 
 

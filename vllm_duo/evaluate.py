@@ -272,9 +272,13 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
         "engines": runs_info, "records": records,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    write_report(results, out)
+    return results
+
+
+def write_report(results: dict, out: Path) -> None:
     (out / "results.md").write_text(report(results), encoding="utf-8")
     write_heatmaps(results, out)
-    return results
 
 
 def _summary(method: Method, records: list[dict], settings: EvalSettings, num_heads: int,
@@ -301,25 +305,53 @@ def _summary(method: Method, records: list[dict], settings: EvalSettings, num_he
             "grid": grid, "kv_fraction": dict(zip(map(str, settings.contexts), kv))}
 
 
+def paired_with_full(records: list[dict], full: str, method: str) -> tuple[int, int, int, float, float]:
+    """A method against full attention on the same prompts: how far apart they can really be told.
+
+    Returns (lost: full right and method wrong, gained: the reverse, prompts, and the 95% interval of the difference
+    in points). The interval is Agresti and Min's (2005) adjusted Wald interval for paired proportions: half a
+    prompt added to each cell of the 2 x 2 table keeps it honest when few or no answers differ."""
+    def answers(name: str) -> dict:
+        return {(r["context_len"], r["depth"], r["sample"]): r["correct"] for r in records if r["method"] == name}
+
+    theirs, mine = answers(full), answers(method)
+    both = theirs.keys() & mine.keys()
+    lost = sum(theirs[k] and not mine[k] for k in both)
+    gained = sum(mine[k] and not theirs[k] for k in both)
+    b, c, n = lost + 0.5, gained + 0.5, len(both) + 2
+    center, spread = (c - b) / n, 1.96 * math.sqrt(b + c - (c - b) ** 2 / n) / n
+    return lost, gained, len(both), 100 * max(center - spread, -1.0), 100 * min(center + spread, 1.0)
+
+
 def report(results: dict) -> str:
-    """results.md: the summary table (accuracy per context, overall, points vs full, KV vs dense) and grids."""
+    """results.md: the summary table (accuracy per context, overall, points vs full with their paired 95% interval,
+    KV vs dense) and grids."""
     settings = results["settings"]
     contexts, depths = settings["contexts"], settings["depths"]
     full = next((m["accuracy"] for m in results["methods"] if m["kind"] == "full"), None)
+    full_name = next((m["method"] for m in results["methods"] if m["kind"] == "full"), None)
     lines = [f"# Passkey retrieval: {Path(settings['model']).name}", "",
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine']['device']}; vLLM {results['machine']['vllm_version']}, torch "
              f"{results['machine']['torch_version']}, vllm-duo {results['machine']['vllm_duo_commit']}; started "
              f"{results['started']}. Pattern: {results['pattern']}. {settings['samples']} sample(s) per cell, "
              f"greedy, {settings['max_tokens']} new tokens; correct = the 5-digit passkey appears in the answer.", "",
-             "| method | " + " | ".join(f"{c} tok" for c in contexts) + " | all | vs full (points) | KV vs dense |",
-             "|---" * (len(contexts) + 4) + "|"]
+             "| method | " + " | ".join(f"{c} tok" for c in contexts)
+             + " | all | vs full (points) | lost / gained vs full | 95% interval (points) | KV vs dense |",
+             "|---" * (len(contexts) + 6) + "|"]
     for m in results["methods"]:
-        delta = "" if full is None or m["kind"] == "full" else f"{100 * (m['accuracy'] - full):+.1f}"
+        delta = paired = interval = ""
+        if full is not None and m["kind"] != "full":
+            delta = f"{100 * (m['accuracy'] - full):+.1f}"
+            lost, gained, _, low, high = paired_with_full(results["records"], full_name, m["method"])
+            paired, interval = f"{lost} / {gained}", f"{low:+.1f} to {high:+.1f}"
         kv = ", ".join(f"{100 * v:.0f}%" for v in m["kv_fraction"].values())
         lines.append(f"| {m['method']} | " + " | ".join(f"{100 * m['by_context'][str(c)]:.0f}%" for c in contexts)
-                     + f" | {100 * m['accuracy']:.1f}% | {delta} | {kv} |")
-    lines += ["", "KV vs dense: (token, KV head) slots per request as a fraction of dense, per context. duoXX: "
+                     + f" | {100 * m['accuracy']:.1f}% | {delta} | {paired} | {interval} | {kv} |")
+    lines += ["", "Lost / gained: prompts full attention answers and the method misses / the reverse. The interval is "
+              "the 95% interval of the method's difference from full attention on these paired prompts (Agresti-Min "
+              "adjusted Wald): this grid cannot tell apart differences within it.", "",
+              "KV vs dense: (token, KV head) slots per request as a fraction of dense, per context. duoXX: "
               "R T + (N - R) min(T, sink + recent), R = N - ceil(s (N - 1)) retrieval heads of N (zigzagXX: R = the "
               "heads of its retrieval layers); streamingXX: all "
               "N heads streaming with recent' = ceil((R T + (N - R)(sink + recent)) / N) - sink, the same budget "
@@ -376,7 +408,14 @@ def default_out(model: str) -> str:
 
 
 def command(args) -> str:
-    """CLI handler: runs the evaluation and returns the summary table's path and rows."""
+    """CLI handler: runs the evaluation (or, with --report-only, redraws an earlier one's report) and returns the
+    summary table's path and rows."""
+    if args.report_only:
+        if not args.out:
+            raise PatternError("--report-only needs --out: the results folder of an earlier `vllm-duo eval`")
+        results = json.loads((Path(args.out) / "results.json").read_text(encoding="utf-8"))
+        write_report(results, Path(args.out))
+        return _summary_rows(args.out, results)
     engine_args = None
     if args.engine_args:
         try:
@@ -394,7 +433,10 @@ def command(args) -> str:
         methods=tuple(args.methods), contexts=tuple(args.contexts), depths=tuple(args.depths), samples=args.samples,
         sink=args.sink, recent=args.recent, max_tokens=args.max_tokens, seed=args.seed, dtype=args.dtype,
         kv_cache_space=args.kv_cache_space, engine_args=engine_args)
-    results = evaluate(settings, progress=not args.no_progress)
+    return _summary_rows(settings.out, evaluate(settings, progress=not args.no_progress))
+
+
+def _summary_rows(out: str, results: dict) -> str:
     rows = [f"  {m['method']:<12} {100 * m['accuracy']:5.1f}%  " +
             "  ".join(f"{c}: {100 * v:.0f}%" for c, v in m["by_context"].items()) for m in results["methods"]]
-    return f"wrote {settings.out}/results.md, results.json, heatmaps\n" + "\n".join(rows)
+    return f"wrote {out}/results.md, results.json, heatmaps\n" + "\n".join(rows)
