@@ -335,12 +335,14 @@ class Report:
                     + " | " + " | ".join(self.capacity_cells(run)) + " |")
         return lines
 
-    def engine_timeline(self, run: dict) -> list:
+    def busy_engine_samples(self, run: dict) -> list:
+        """The server's stats lines during a serve client's run, where it had requests running or waiting."""
         from vllm_duo.bench import engine_timeline, read_log
 
         if not (run.get("server_log") and run.get("started_at") and run.get("finished_at")):
             return []
-        return engine_timeline(read_log(self.out / run["server_log"]), run["started_at"], run["finished_at"])
+        samples = engine_timeline(read_log(self.out / run["server_log"]), run["started_at"], run["finished_at"])
+        return [s for s in samples if s.running or s.waiting]
 
     def engine_load_table(self, workload: str) -> list[str]:
         """The profile of a serve run: the server's 10-second stats lines, summed up per backend and rate."""
@@ -348,7 +350,7 @@ class Report:
                 "| peak KV usage | prompt tok/s while busy | generation tok/s while busy |")
         lines = [head, _separator(head)]
         for run in sorted(self.of(workload), key=lambda r: (r["phase"], self.backends(workload).index(r["backend"]))):
-            busy = [s for s in self.engine_timeline(run) if s.running or s.waiting]
+            busy = self.busy_engine_samples(run)
             if not busy:
                 continue
             lines.append(f"| {run['backend']} | {_request_rate(run)} | {10 * len(busy)} "
@@ -614,7 +616,7 @@ class Report:
                 continue
             top = max(float(_request_rate(r)) for r in runs)
             for run in (r for r in runs if float(_request_rate(r)) == top):
-                busy = [s for s in self.engine_timeline(run) if s.running or s.waiting]
+                busy = self.busy_engine_samples(run)
                 if not busy:
                     continue
                 xs = [s.seconds - busy[0].seconds for s in busy]
