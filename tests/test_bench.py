@@ -44,6 +44,7 @@ def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
                      "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
     elapsed = time.monotonic() - start
     assert code == 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the caller's SIGTERM handling is back
 
     results = json.loads((out / "results.json").read_text())
     runs = {run["backend"]: run for run in results["runs"]}

@@ -476,10 +476,11 @@ def _stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
             time.sleep(0.5)
 
 
-def stop_runs_on_sigterm() -> None:
+def stop_runs_on_sigterm():
     """Makes SIGTERM (`timeout`, a job scheduler) exit through Python, so that `run_logged` stops the vLLM run it
-    started in its own session: killed outright, the harness would leave that run holding the GPU's memory."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    started in its own session: killed outright, the harness would leave that run holding the GPU's memory.
+    Returns the handler it replaced."""
+    return signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def run_logged(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, bool]:
@@ -897,10 +898,13 @@ def command(args: argparse.Namespace) -> str:
         suite.run()
         return ""
 
-    stop_runs_on_sigterm()
-    parts = [load_results(out, out)] if (out / "results.json").exists() else []  # same folder: add, replace
-    parts += [load_results(Path(folder), out) for folder in args.merge]
-    Suite(settings, merge_results(parts) if parts else None).run()
+    previous_handler = stop_runs_on_sigterm()
+    try:
+        parts = [load_results(out, out)] if (out / "results.json").exists() else []  # same folder: add, replace
+        parts += [load_results(Path(folder), out) for folder in args.merge]
+        Suite(settings, merge_results(parts) if parts else None).run()
+    finally:  # called in-process (tests, a Python caller): its own SIGTERM handling comes back
+        signal.signal(signal.SIGTERM, previous_handler)
     results = _read_json(out / "results.json")
     (out / "results.md").write_text(bench_report.markdown(results, out, plots=True))
     return bench_report.summary(results, out)
