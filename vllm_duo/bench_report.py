@@ -349,7 +349,9 @@ class Report:
         head = ("| backend | rate req/s | busy s | peak running | peak waiting | s with requests waiting "
                 "| peak KV usage | prompt tok/s while busy | generation tok/s while busy |")
         lines = [head, _separator(head)]
-        for run in sorted(self.of(workload), key=lambda r: (r["phase"], self.backends(workload).index(r["backend"]))):
+        runs = (self.find(workload, backend, phase) for phase in dict.fromkeys(r["phase"] for r in self.of(workload))
+                for backend in self.backends(workload))
+        for run in filter(None, runs):
             busy = self.busy_engine_samples(run)
             if not busy:
                 continue

@@ -328,8 +328,7 @@ def report(results: dict) -> str:
     KV vs dense) and grids."""
     settings = results["settings"]
     contexts, depths = settings["contexts"], settings["depths"]
-    full = next((m["accuracy"] for m in results["methods"] if m["kind"] == "full"), None)
-    full_name = next((m["method"] for m in results["methods"] if m["kind"] == "full"), None)
+    full = next((m for m in results["methods"] if m["kind"] == "full"), None)
     lines = [f"# Passkey retrieval: {Path(settings['model']).name}", "",
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine']['device']}; vLLM {results['machine']['vllm_version']}, torch "
@@ -342,8 +341,8 @@ def report(results: dict) -> str:
     for m in results["methods"]:
         delta = paired = interval = ""
         if full is not None and m["kind"] != "full":
-            delta = f"{100 * (m['accuracy'] - full):+.1f}"
-            lost, gained, _, low, high = paired_with_full(results["records"], full_name, m["method"])
+            delta = f"{100 * (m['accuracy'] - full['accuracy']):+.1f}"
+            lost, gained, _, low, high = paired_with_full(results["records"], full["method"], m["method"])
             paired, interval = f"{lost} / {gained}", f"{low:+.1f} to {high:+.1f}"
         kv = ", ".join(f"{100 * v:.0f}%" for v in m["kv_fraction"].values())
         lines.append(f"| {m['method']} | " + " | ".join(f"{100 * m['by_context'][str(c)]:.0f}%" for c in contexts)
