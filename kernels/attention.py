@@ -7,17 +7,17 @@ import functools
 
 import torch
 
-from vllm_duo.kernels.cache_write import write_retrieval_kv, write_streaming_kv
+from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_retrieval_kv, write_streaming_kv
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits
 from vllm_duo.kernels.prefill import prefill_attention
-from vllm_duo.kernels.reference import LayerHeads
+from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 
 def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                          heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          block_table: torch.Tensor, scale: float, output: torch.Tensor, max_query_len: int,
                          max_seq_len: int, max_num_splits: int | None = None,
-                         ring_cache: torch.Tensor | None = None) -> None:
+                         ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
     """Write the batch's K/V into the duo cache and attend: single-token requests by decode.py, the rest by prefill.py.
 
     Launch order: retrieval write, attention, streaming write (a chunk may overwrite ring
@@ -37,6 +37,8 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         max_query_len, max_seq_len: host ints bounding the batch (vLLM's metadata has them).
         max_num_splits: context splits per retrieval head in decode; default `decode_num_splits`.
         ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
+        quant: the scales of an fp8 cache (`float8_e4m3fn` or `float8_e5m2`; default 1). Queries stay in
+            the model's dtype, except for FlashAttention-3's fp8 prefill, which quantizes them by `q_scale`.
     """
     ring_cache = cache if ring_cache is None else ring_cache
     if heads.num_retrieval == 0:
@@ -44,28 +46,31 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if max_num_splits is None:
         max_num_splits = decode_num_splits(seq_lens.shape[0], heads.num_retrieval, max_seq_len, cache.device)
     write_retrieval_kv(key, value, cache, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
-                       heads.streaming_blocks)
-    flash = flash_attn_varlen() if cache.is_cuda and cache.dtype in FLASH_DTYPES else None
+                       heads.streaming_blocks, quant)
+    flash = flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
     if max_query_len > 1 and flash is not None:
         # Prefill: FlashAttention-3 is faster than our Triton tiles on the retrieval heads' paged KV
         # (benchmarks/results); Triton keeps the Λ-masked streaming heads it cannot do.
         if heads.num_retrieval:
             retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, block_table, scale,
-                                      output, max_query_len, max_seq_len)
+                                      output, max_query_len, max_seq_len, quant)
         prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                          streaming_only=True, ring_cache=ring_cache)
+                          streaming_only=True, ring_cache=ring_cache, quant=quant)
     else:
         if max_query_len > 1:
             prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale,
-                              output, min_query_len=2, ring_cache=ring_cache)
+                              output, min_query_len=2, ring_cache=ring_cache, quant=quant)
         decode_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                         max_num_splits, ring_cache=ring_cache)
+                         max_num_splits, ring_cache=ring_cache, quant=quant)
     if heads.num_streaming:
         write_streaming_kv(key, value, ring_cache, heads.streaming_kv, query_start_loc, seq_lens, block_table,
-                           heads.sink, heads.recent, heads.ring_offset)
+                           heads.sink, heads.recent, heads.ring_offset, quant)
 
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)  # FlashAttention-3's; float32 models keep the Triton prefill
+# (query, cache) dtypes FlashAttention-3 takes: 16-bit, or fp8 e4m3 KV with queries quantized to it;
+# float32 models and e5m2 caches keep the Triton prefill.
+FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
 
 
 @functools.cache
@@ -83,16 +88,29 @@ def flash_attn_varlen():
 
 def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                              scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int) -> None:
+                              scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int,
+                              quant: KVQuant | None = None) -> None:
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and the
     retrieval pages start at column E of the block table; the query heads are gathered and the
-    result scattered back, since FlashAttention wants them contiguous.
+    result scattered back, since FlashAttention wants them contiguous. On an fp8 cache the queries
+    are quantized by the layer's q scale and FlashAttention descales q, k and v, as vLLM's dense
+    FLASH_ATTN backend does.
     """
     R = heads.num_retrieval
-    out = flash(q=query[:, heads.retrieval_q], k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
+    q = query[:, heads.retrieval_q]
+    descales = {}
+    if cache.dtype == torch.float8_e4m3fn:
+        q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
+        largest = torch.finfo(cache.dtype).max
+        q = (q.float() * (1.0 / q_scale)).clamp_(-largest, largest).to(cache.dtype)
+        shape = (seq_lens.shape[0], R)
+        k_scale, v_scale = scale_tensors(quant, cache.device)
+        descales = dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape),
+                        v_descale=v_scale.expand(shape))
+    out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
-                block_table=block_table[:, heads.streaming_blocks:])
+                block_table=block_table[:, heads.streaming_blocks:], **descales)
     output[:, heads.retrieval_q] = out.to(output.dtype)

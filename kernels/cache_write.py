@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton kernels that store a batch's new K/V in the duo cache: retrieval pages and streaming ring cells.
 
-The layout helpers here (`find_request`, `retrieval_rows`, `ring_rows`) are shared with the
-attention kernels in prefill.py and decode.py; kernels/reference.py defines the layout.
+The layout helpers here (`find_request`, `retrieval_rows`, `ring_rows`) and the fp8 rounding
+(`fp8_grid`) are shared with the attention kernels in prefill.py and decode.py; kernels/reference.py
+defines the layout and the fp8 storage (`KVQuant`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,60 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_duo.kernels.reference import KVQuant
+
 WRITE_BLOCK_T = 16  # tokens per write program
+FP8_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def fp8_format(cache: torch.Tensor) -> str:
+    """The kernels' FP8 constant for a cache: "e4m3", "e5m2", or "" for a cache of the model's dtype."""
+    return FP8_FORMATS.get(cache.dtype, "")
+
+
+def as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A scale as a float32 tensor on `device` (vLLM's layer scales already are: no copy)."""
+    if isinstance(scale, torch.Tensor) and scale.device == device and scale.dtype == torch.float32:
+        return scale
+    return torch.as_tensor(scale, dtype=torch.float32, device=device)
+
+
+def scale_tensors(quant: KVQuant | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V scales as float32 tensors on `device` (the kernels load them: graph-safe)."""
+    quant = quant or KVQuant()
+    if quant.toward_zero:
+        raise ValueError("the duo kernels round fp8 to nearest even, as vLLM's CUDA cache write does")
+    return as_scale(quant.k_scale, device), as_scale(quant.v_scale, device)
+
+
+@triton.jit
+def fp8_grid(x, inv_scale, FP8: tl.constexpr):
+    """`x * inv_scale` saturated and rounded to nearest even on the FP8 ("e4m3"/"e5m2") grid, in fp32.
+
+    The result is exact in fp8, so the cast that stores it rounds no more: one rounding on every
+    target (the CPU interpreter's own fp8 cast drops the carry of a mantissa that rounds up).
+    """
+    if FP8 == "e5m2":
+        mantissa_bits = 2
+        min_exponent = -14
+        largest = 57344.0
+    else:
+        mantissa_bits = 3
+        min_exponent = -6
+        largest = 448.0
+    y = tl.clamp(x.to(tl.float32) * inv_scale, -largest, largest)
+    exponent = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 + min_exponent)  # subnormals: one step
+    step = ((exponent - mantissa_bits) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - mantissa bits)
+    rounded = (y / step + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 addition rounds to an even integer
+    return tl.where(rounded == 0.0, y * 0.0, rounded * step)  # keep the sign of zero
+
+
+@triton.jit
+def load_scales(k_scale_ptr, v_scale_ptr, FP8: tl.constexpr):
+    """The layer's k and v scales for an fp8 cache, else 1."""
+    if FP8 != "":
+        return tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+    return 1.0, 1.0
 
 
 @triton.jit
@@ -60,15 +114,17 @@ def ring_rows(table_row_ptr, pos, mask, head, num_streaming, ring_offset, page_h
 @triton.jit(do_not_specialize=["num_reqs", "num_heads", "streaming_blocks", "ring_offset", "page_heads", "sink",
                                "recent"])
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-                     num_reqs, num_heads, streaming_blocks, ring_offset, page_heads, sink, recent,
+                     k_scale_ptr, v_scale_ptr, num_reqs, num_heads, streaming_blocks, ring_offset, page_heads, sink,
+                     recent,
                      stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64, stride_vh: tl.int64,
                      stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                      stride_ch: tl.int64,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, STREAMING: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, STREAMING: tl.constexpr, FP8: tl.constexpr):
     """One program stores BLOCK_T tokens of one request for one head (grid: tiles x heads).
 
-    `cache_ptr` is the layer's cache for retrieval writes, its ring cache for STREAMING ones.
+    `cache_ptr` is the layer's cache for retrieval writes, its ring cache for STREAMING ones; an
+    FP8 cache stores `x / scale` rounded to nearest even.
     """
     tile = tl.program_id(0)
     j = tl.program_id(1)
@@ -103,6 +159,9 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_lo
     tok64 = tok.to(tl.int64)[:, None]
     k = tl.load(key_ptr + tok64 * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=mask2)
     v = tl.load(value_ptr + tok64 * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=mask2)
+    if FP8 != "":
+        k = fp8_grid(k, 1.0 / tl.load(k_scale_ptr), FP8)
+        v = fp8_grid(v, 1.0 / tl.load(v_scale_ptr), FP8)
     dst = cache_ptr + rows[:, None] + offs_d[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask2)
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask2)
@@ -158,7 +217,7 @@ def check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, streaming_blocks, ring_offset, sink,
-           recent, streaming):
+           recent, streaming, quant):
     check_tokens(cache, key, value)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)
     num_heads = kv_heads.numel()
@@ -168,17 +227,17 @@ def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, 
     head_dim = cache.shape[-1]
     grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads)
     _write_kv_kernel[grid](
-        key, value, cache, kv_heads, query_start_loc, seq_lens, block_table,
+        key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache.device),
         num_reqs, num_heads, streaming_blocks, ring_offset, cache.shape[3], sink, recent,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
-        BLOCK_SIZE=cache.shape[2], STREAMING=streaming, num_warps=4)
+        BLOCK_SIZE=cache.shape[2], STREAMING=streaming, FP8=fp8_format(cache), num_warps=4)
 
 
 def write_retrieval_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, retrieval_kv: torch.Tensor,
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       streaming_blocks: int) -> None:
+                       streaming_blocks: int, quant: KVQuant | None = None) -> None:
     """Store every new token's retrieval K/V in its paged row; run before attention reads the pages.
 
     Args:
@@ -188,13 +247,15 @@ def write_retrieval_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tens
         query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32 (context after this step).
         block_table: `[num_reqs, max_blocks]` int32, E streaming blocks then retrieval blocks.
         streaming_blocks: E.
+        quant: the k/v scales of an fp8 cache (default 1); its rounding is always to nearest even.
     """
-    _write(key, value, cache, retrieval_kv, query_start_loc, seq_lens, block_table, streaming_blocks, 0, 0, 1, False)
+    _write(key, value, cache, retrieval_kv, query_start_loc, seq_lens, block_table, streaming_blocks, 0, 0, 1, False,
+           quant)
 
 
 def write_streaming_kv(key: torch.Tensor, value: torch.Tensor, ring_cache: torch.Tensor, streaming_kv: torch.Tensor,
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       sink: int, recent: int, ring_offset: int = 0) -> None:
+                       sink: int, recent: int, ring_offset: int = 0, quant: KVQuant | None = None) -> None:
     """Store the new streaming K/V that later queries can still see (positions < sink or >= seq_len - recent).
 
     Run after streaming attention: within one chunk a later position can take the ring slot
@@ -206,8 +267,9 @@ def write_streaming_kv(key: torch.Tensor, value: torch.Tensor, ring_cache: torch
         streaming_kv: `[S]` model KV head ids; head s takes ring column s.
         sink, recent: ring sizes, recent >= 1.
         ring_offset: the layer's first cell in the ring cache's streaming blocks.
+        quant: the k/v scales of an fp8 ring cache (default 1).
     """
     if recent < 1:
         raise ValueError(f"recent must be >= 1, got {recent}")
     _write(key, value, ring_cache, streaming_kv, query_start_loc, seq_lens, block_table, 0, ring_offset, sink, recent,
-           True)
+           True, quant)

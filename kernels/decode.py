@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import check_attention
+from vllm_duo.kernels.cache_write import check_attention, fp8_format, load_scales, scale_tensors
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, streaming_tiles
-from vllm_duo.kernels.reference import LayerHeads
+from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes and merge outweigh the parallelism
 
@@ -30,7 +30,8 @@ def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPL
 @triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "streaming_blocks", "ring_offset", "page_heads",
                                "sink", "recent"])
 def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
+                   retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr,
+                   v_scale_ptr, qk_scale,
                    num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads, sink, recent,
                    stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
                    stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
@@ -39,8 +40,12 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, 
                    stride_rh: tl.int64,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                   MIN_SPLIT: tl.constexpr):
-    """Grid (num_reqs, R * MAX_SPLITS + S); requests whose query length is not 1 exit at once."""
+                   MIN_SPLIT: tl.constexpr, FP8: tl.constexpr):
+    """Grid (num_reqs, R * MAX_SPLITS + S); requests whose query length is not 1 exit at once.
+
+    An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output
+    (split results too: the merge is linear) the v scale.
+    """
     req = tl.program_id(0)
     pid = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -67,6 +72,8 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, 
     q = tl.load(query_ptr + q_start.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
                 mask=mask, other=0.0)
     q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, FP8)
+    qk_scale = qk_scale * k_scale
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -79,10 +86,10 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, 
     else:
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, seq_len - 1, seq_len - 1, seq_len - 1, q_start,
                                         ring_ptr, table_row, key_ptr, value_ptr, head - num_retrieval, kv_head,
-                                        num_streaming, ring_offset, page_heads, sink, recent, qk_scale, stride_kt,
-                                        stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
-    out = acc / l_i[:, None]
+                                        num_streaming, ring_offset, page_heads, sink, recent, qk_scale, 1.0 / k_scale,
+                                        1.0 / v_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_rb,
+                                        stride_rkv, stride_rr, stride_rh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, FP8)
+    out = acc / l_i[:, None] * v_scale
     if MAX_SPLITS > 1:
         if head < num_retrieval:
             # part_out [num_reqs, R * G, MAX_SPLITS, HEAD_DIM], part_lse [num_reqs, R * G, MAX_SPLITS]
@@ -137,7 +144,7 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                      heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      block_table: torch.Tensor, scale: float, output: torch.Tensor, max_num_splits: int,
-                     ring_cache: torch.Tensor | None = None) -> None:
+                     ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
     """Duo attention of every request with exactly one new token; other requests are left untouched.
 
     The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
@@ -151,6 +158,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 skips the merge.
         ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
+        quant: the k/v scales of an fp8 cache (default 1).
     """
     ring_cache = check_attention(query, key, value, output, cache, ring_cache, heads.recent, heads.num_streaming > 0,
                                  query_start_loc, seq_lens, block_table)
@@ -170,14 +178,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         part_lse = torch.empty(num_reqs, R * G, splits, dtype=torch.float32, device=cache.device)
     _decode_kernel[(num_reqs, R * splits + S)](
         query, key, value, cache, ring_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
-        query_start_loc, seq_lens, block_table, scale * LOG2E,
+        query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache.device), scale * LOG2E,
         R, S, heads.streaming_blocks, heads.ring_offset, ring_cache.shape[3], heads.sink, heads.recent,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, num_warps=4,
+        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, FP8=fp8_format(cache), num_warps=4,
         num_stages=3 if cache.is_cuda else 1)
     if splits > 1:
         _merge_kernel[(num_reqs, R * G)](

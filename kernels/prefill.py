@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import check_attention, find_request, retrieval_rows, ring_rows
-from vllm_duo.kernels.reference import LayerHeads
+from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_format, fp8_grid, load_scales,
+                                         retrieval_rows, ring_rows, scale_tensors)
+from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
 
@@ -75,10 +76,14 @@ def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row
 
 @triton.jit
 def _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head, kv_head,
-                  num_streaming, ring_offset, page_heads, sink, recent, stride_kt, stride_kh, stride_vt, stride_vh,
-                  stride_rb, stride_rkv, stride_rr, stride_rh, dtype,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """K/V `[N, D]` of streaming positions `pos`: ring cells before the chunk, key/value inputs after."""
+                  num_streaming, ring_offset, page_heads, sink, recent, inv_k_scale, inv_v_scale, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh, dtype,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """K/V `[N, D]` of streaming positions `pos`: ring cells before the chunk, key/value inputs after.
+
+    With an FP8 ring both come as stored (`x / scale` on the fp8 grid): the inputs are rounded
+    here as the ring will store them, so a chunk sees its own keys as later chunks will.
+    """
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = (offs_d < HEAD_DIM)[None, :]
     old = valid & (pos < num_cached)
@@ -89,17 +94,20 @@ def _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr,
     tok = (q_start + pos - num_cached).to(tl.int64)[:, None]
     k = tl.load(ring, mask=old[:, None] & d_ok, other=0.0).to(dtype)
     v = tl.load(ring + stride_rkv, mask=old[:, None] & d_ok, other=0.0).to(dtype)
-    k += tl.load(key_ptr + tok * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=new, other=0.0).to(dtype)
-    v += tl.load(value_ptr + tok * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=new, other=0.0).to(dtype)
-    return k, v
+    k_new = tl.load(key_ptr + tok * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=new, other=0.0)
+    v_new = tl.load(value_ptr + tok * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=new, other=0.0)
+    if FP8 != "":
+        k_new = fp8_grid(k_new, inv_k_scale, FP8)
+        v_new = fp8_grid(v_new, inv_v_scale, FP8)
+    return k + k_new.to(dtype), v + v_new.to(dtype)
 
 
 @triton.jit
 def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, ring_ptr, table_row, key_ptr,
                     value_ptr, head, kv_head, num_streaming, ring_offset, page_heads, sink, recent, qk_scale,
-                    stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr):
+                    inv_k_scale, inv_v_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv,
+                    stride_rr, stride_rh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
     """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
 
     Only two key ranges can be visible: the sinks [0, sink) and the window
@@ -111,18 +119,18 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, r
         pos = start + offs_n
         valid = pos < sink_end
         k, v = _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head,
-                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, stride_kt, stride_kh,
-                             stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh, q.dtype,
-                             HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, inv_k_scale, inv_v_scale,
+                             stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
+                             q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP8)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
         pos = start + offs_n
         valid = pos <= last
         k, v = _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head,
-                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, stride_kt, stride_kh,
-                             stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh, q.dtype,
-                             HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, inv_k_scale, inv_v_scale,
+                             stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
+                             q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP8)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
@@ -132,7 +140,7 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, r
 @triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "streaming_blocks",
                                "ring_offset", "page_heads", "sink", "recent", "min_query_len", "head_offset"])
 def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
-                    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
+                    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
                     num_reqs, num_tiles, num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads,
                     sink, recent, min_query_len, head_offset,
                     stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
@@ -141,8 +149,11 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr,
                     stride_ch: tl.int64, stride_rb: tl.int64, stride_rkv: tl.int64, stride_rr: tl.int64,
                     stride_rh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones."""
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones.
+
+    An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, the output the v scale.
+    """
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a prompt have the most keys: start them first
     head = tl.program_id(1) + head_offset
     req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
@@ -170,6 +181,8 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr,
     tok64 = tok.to(tl.int64)[:, None]
     q = tl.load(query_ptr + tok64 * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
 
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, FP8)
+    qk_scale = qk_scale * k_scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -181,10 +194,10 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr,
     else:
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, ring_ptr,
                                         table_row, key_ptr, value_ptr, head - num_retrieval, kv_head, num_streaming,
-                                        ring_offset, page_heads, sink, recent, qk_scale, stride_kt, stride_kh,
-                                        stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
-    out = acc / l_i[:, None]
+                                        ring_offset, page_heads, sink, recent, qk_scale, 1.0 / k_scale, 1.0 / v_scale,
+                                        stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr,
+                                        stride_rh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, FP8)
+    out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -201,7 +214,8 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                       heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_table: torch.Tensor, scale: float, output: torch.Tensor, min_query_len: int = 1,
-                      streaming_only: bool = False, ring_cache: torch.Tensor | None = None) -> None:
+                      streaming_only: bool = False, ring_cache: torch.Tensor | None = None,
+                      quant: KVQuant | None = None) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
     The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
@@ -216,6 +230,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         min_query_len: 2 when decode.py serves the single-token requests.
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
         ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
+        quant: the k/v scales of an fp8 cache (default 1).
     """
     ring_cache = check_attention(query, key, value, output, cache, ring_cache, heads.recent, heads.num_streaming > 0,
                                  query_start_loc, seq_lens, block_table)
@@ -231,7 +246,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     num_tiles = num_tokens // block_q + num_reqs
     _prefill_kernel[(num_tiles, num_heads)](
         query, key, value, cache, ring_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
-        seq_lens, block_table, scale * LOG2E,
+        seq_lens, block_table, *scale_tensors(quant, cache.device), scale * LOG2E,
         num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.streaming_blocks, heads.ring_offset,
         ring_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -239,4 +254,4 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=cache.shape[2], **cfg)
+        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), **cfg)

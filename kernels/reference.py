@@ -10,6 +10,10 @@ Masks, with q and k token positions of one request:
 * retrieval heads: k <= q (causal over the whole context);
 * streaming heads: k <= q and (k < sink or k > q - recent)  (the Λ mask), per token, so the
   result does not depend on how a prompt is split into chunks.
+
+An fp8 cache (`torch.float8_e4m3fn` or `float8_e5m2`) stores `fp8(x / scale)` with vLLM's per-layer
+k/v scales (`KVQuant`). Attention sees every key and value as stored, the chunk's own included,
+as vLLM's dense backends do (they write the cache before they read it).
 """
 
 from __future__ import annotations
@@ -17,6 +21,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How K/V sit in an fp8 cache: `fp8(x / scale)`, saturated, read back as `stored * scale`.
+
+    The scales are vLLM's per-layer `_k_scale` / `_v_scale` (floats, or 0-dim float32 tensors on the
+    cache's device: the kernels read those, so graphs see scales set after capture). `toward_zero`
+    rounds as vLLM's CPU cache write does, else to nearest even as its CUDA one does. `q_scale` is
+    for FlashAttention's fp8 path only, which wants fp8 queries.
+    """
+
+    k_scale: float | torch.Tensor = 1.0
+    v_scale: float | torch.Tensor = 1.0
+    q_scale: float | torch.Tensor = 1.0
+    toward_zero: bool = False
+
+
+def quantize(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype, toward_zero: bool = False):
+    """`x / scale` in fp8 `dtype`, saturated at its largest finite value."""
+    finfo = torch.finfo(dtype)
+    scaled = (x.float() * (1.0 / scale)).clamp(finfo.min, finfo.max)
+    stored = scaled.to(dtype)
+    if toward_zero:  # one code toward zero where rounding went up in magnitude (codes are monotonic per sign)
+        code = stored.view(torch.uint8)
+        stored = torch.where(stored.float().abs() > scaled.abs(), code - 1, code).view(dtype)
+    return stored
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale, toward_zero: bool = False) -> torch.Tensor:
+    """K or V as a cache of `cache_dtype` stores it."""
+    if cache_dtype in FP8_DTYPES:
+        return quantize(x, scale, cache_dtype, toward_zero)
+    return x.to(cache_dtype)
+
+
+def from_cache(stored: torch.Tensor, scale) -> torch.Tensor:
+    """Stored K or V as attention sees it (fp8: dequantized to float32)."""
+    return stored.float() * scale if stored.dtype in FP8_DTYPES else stored
+
+
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, scale, toward_zero: bool = False) -> torch.Tensor:
+    """K or V as attention sees it once it is in a cache of `cache_dtype`."""
+    return from_cache(to_cache(x, cache_dtype, scale, toward_zero), scale).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -98,44 +149,51 @@ def ring_cells(stream_blocks: torch.Tensor, slots: torch.Tensor, heads: int, blo
 
 
 def write_retrieval(cache: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor,
-                    key: torch.Tensor, value: torch.Tensor) -> None:
+                    key: torch.Tensor, value: torch.Tensor, quant: KVQuant | None = None) -> None:
     """Store retrieval K/V `[n, R, D]` of `positions` in the request's retrieval `blocks`."""
+    quant = quant or KVQuant()
     block_size = cache.shape[2]
     block = blocks[positions // block_size][:, None]
     row = (positions % block_size)[:, None]
     head = torch.arange(key.shape[1], device=key.device)[None, :]
-    cache[block, 0, row, head] = key.to(cache.dtype)
-    cache[block, 1, row, head] = value.to(cache.dtype)
+    cache[block, 0, row, head] = to_cache(key, cache.dtype, quant.k_scale, quant.toward_zero)
+    cache[block, 1, row, head] = to_cache(value, cache.dtype, quant.v_scale, quant.toward_zero)
 
 
-def read_retrieval(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int, heads: int):
-    """Retrieval K/V `[num_tokens, heads, D]` of positions [0, num_tokens)."""
+def read_retrieval(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int, heads: int,
+                   quant: KVQuant | None = None):
+    """Retrieval K/V `[num_tokens, heads, D]` of positions [0, num_tokens), as attention sees them."""
+    quant = quant or KVQuant()
     block_size = cache.shape[2]
     pages = cache[blocks[: (num_tokens + block_size - 1) // block_size], :, :, :heads]
     kv = pages.transpose(0, 1).reshape(2, -1, heads, cache.shape[-1])[:, :num_tokens]
-    return kv[0], kv[1]
+    return from_cache(kv[0], quant.k_scale), from_cache(kv[1], quant.v_scale)
 
 
 def write_streaming(cache: torch.Tensor, stream_blocks: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, seq_len: int, sink: int, recent: int, offset: int = 0) -> None:
+                    value: torch.Tensor, seq_len: int, sink: int, recent: int, offset: int = 0,
+                    quant: KVQuant | None = None) -> None:
     """Store the streaming K/V `[n, S, D]` that future queries can still see: sinks and the last `recent`."""
+    quant = quant or KVQuant()
     keep = (positions < sink) | (positions >= seq_len - recent)
     positions, key, value = positions[keep], key[keep], value[keep]
     if positions.numel() == 0:
         return
     block, row, head = ring_cells(stream_blocks, ring_slots(positions, sink, recent), key.shape[1],
                                   cache.shape[2], cache.shape[3], offset)
-    cache[block, 0, row, head] = key.to(cache.dtype)
-    cache[block, 1, row, head] = value.to(cache.dtype)
+    cache[block, 0, row, head] = to_cache(key, cache.dtype, quant.k_scale, quant.toward_zero)
+    cache[block, 1, row, head] = to_cache(value, cache.dtype, quant.v_scale, quant.toward_zero)
 
 
 def read_streaming(cache: torch.Tensor, stream_blocks: torch.Tensor, num_cached: int, heads: int,
-                   sink: int, recent: int, offset: int = 0):
-    """Ring K/V `[W', heads, D]` and their positions `[W']`, empty slots dropped."""
+                   sink: int, recent: int, offset: int = 0, quant: KVQuant | None = None):
+    """Ring K/V `[W', heads, D]` as attention sees them and their positions `[W']`, empty slots dropped."""
+    quant = quant or KVQuant()
     positions = ring_positions(num_cached, sink, recent, device=cache.device)
     slots = torch.nonzero(positions >= 0).flatten()
     block, row, head = ring_cells(stream_blocks, slots, heads, cache.shape[2], cache.shape[3], offset)
-    return cache[block, 0, row, head], cache[block, 1, row, head], positions[slots]
+    return (from_cache(cache[block, 0, row, head], quant.k_scale), from_cache(cache[block, 1, row, head], quant.v_scale),
+            positions[slots])
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor,
@@ -159,7 +217,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: t
 def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                   heads: LayerHeads, query_start_loc: list[int], seq_lens: list[int],
                   block_table: torch.Tensor, scale: float, output: torch.Tensor,
-                  ring_cache: torch.Tensor | None = None) -> None:
+                  ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
     """Write the chunk's K/V into the duo cache and attend, request by request.
 
     Args:
@@ -171,7 +229,9 @@ def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         block_table: `[num_reqs, max_blocks]`, E streaming blocks then retrieval blocks.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         ring_cache: the cache whose streaming blocks hold this layer's ring (default `cache`).
+        quant: scales and rounding of an fp8 cache (ignored for others).
     """
+    quant = quant or KVQuant()
     E = heads.streaming_blocks
     ring_cache = cache if ring_cache is None else ring_cache
     for i, seq_len in enumerate(seq_lens):
@@ -184,8 +244,8 @@ def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         row = block_table[i].long()
         if heads.num_retrieval:
             blocks = row[E:]
-            write_retrieval(cache, blocks, positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv])
-            k_all, v_all = read_retrieval(cache, blocks, seq_len, heads.num_retrieval)
+            write_retrieval(cache, blocks, positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv], quant)
+            k_all, v_all = read_retrieval(cache, blocks, seq_len, heads.num_retrieval, quant)
             k_pos = torch.arange(seq_len, device=query.device)
             out = attend(q[:, heads.retrieval_q], k_all, v_all, positions, k_pos, scale, heads.group_size)
             output[start:end, heads.retrieval_q] = out.to(output.dtype)
@@ -193,10 +253,12 @@ def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
             ring = row[:E]
             k_new, v_new = k[:, heads.streaming_kv], v[:, heads.streaming_kv]
             k_old, v_old, old_pos = read_streaming(ring_cache, ring, num_cached, heads.num_streaming,
-                                                   heads.sink, heads.recent, heads.ring_offset)
-            out = attend(q[:, heads.streaming_q], torch.cat([k_old.to(k_new.dtype), k_new]),
-                         torch.cat([v_old.to(v_new.dtype), v_new]), positions, torch.cat([old_pos, positions]),
+                                                   heads.sink, heads.recent, heads.ring_offset, quant)
+            k_seen = as_stored(k_new, ring_cache.dtype, quant.k_scale, quant.toward_zero)
+            v_seen = as_stored(v_new, ring_cache.dtype, quant.v_scale, quant.toward_zero)
+            out = attend(q[:, heads.streaming_q], torch.cat([k_old.to(k_new.dtype), k_seen]),
+                         torch.cat([v_old.to(v_new.dtype), v_seen]), positions, torch.cat([old_pos, positions]),
                          scale, heads.group_size, heads.sink, heads.recent)
             output[start:end, heads.streaming_q] = out.to(output.dtype)
             write_streaming(ring_cache, ring, positions, k_new, v_new, seq_len, heads.sink, heads.recent,
-                            heads.ring_offset)
+                            heads.ring_offset, quant)

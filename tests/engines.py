@@ -62,31 +62,37 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int, **params) -> list[lis
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def greedy_with_logprobs(llm, prompts: list[list[int]], max_tokens: int = 32) -> dict:
+    """Greedy outputs with what comparisons need: TOKENS, GAPS (top-1 minus top-2 logprob at each generated step)
+    and PROMPT_LOGPROBS (each prompt token's logprob given the tokens before it, from the second on)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+    gaps = [[(lambda v: v[0] - v[1])(sorted((entry.logprob for entry in step.values()), reverse=True))
+             for step in o.outputs[0].logprobs] for o in outs]
+    prompt_logprobs = [[step[t].logprob for t, step in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(prompts, outs)]
+    return {"TOKENS": [list(o.outputs[0].token_ids) for o in outs], "GAPS": gaps, "PROMPT_LOGPROBS": prompt_logprobs}
+
+
 GENERATE = r"""
 import json, sys
-from vllm import LLM, SamplingParams, TokensPrompt
+from vllm import LLM
 sys.path.insert(0, "tests")
-from engines import text_of_tokens
+from engines import greedy_with_logprobs, text_of_tokens
 from transformers import AutoTokenizer
 engine, lengths = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 tok = AutoTokenizer.from_pretrained(engine.get("tokenizer") or engine["model"])
 prompts = [text_of_tokens(tok, n, seed=n) for n in lengths]
-outs = LLM(**engine).generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                              SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=0),
-                              use_tqdm=False)
-gaps = [[(lambda v: v[0] - v[1])(sorted((l.logprob for l in step.values()), reverse=True)) for step in o.outputs[0].logprobs]
-        for o in outs]
-prompt_logprobs = [[step[t].logprob for t, step in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(prompts, outs)]
-print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-print("GAPS", json.dumps(gaps))
-print("PROMPT_LOGPROBS", json.dumps(prompt_logprobs))
+for key, value in greedy_with_logprobs(LLM(**engine), prompts).items():
+    print(key, json.dumps(value))
 """
 
 
 def generate_in_subprocess(engine: dict, backend: str | None, duo: dict | None, lengths, **env) -> dict:
     """Greedy outputs of an `LLM(**engine)` in its own process (a clean CUDA context, env vars read at import).
 
-    Returns TOKENS (32 per prompt), GAPS (top-1 minus top-2 logprob at each step) and PROMPT_LOGPROBS.
+    Returns TOKENS (32 per prompt), GAPS and PROMPT_LOGPROBS (`greedy_with_logprobs`).
     """
     import os
     import subprocess
@@ -116,3 +122,9 @@ def assert_same_greedy(got: dict, expected: dict) -> None:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is not None:
             assert expected["GAPS"][seq][first] < NEAR_TIE, f"prompt {seq} differs at token {first}, not a near-tie"
+
+
+def prompt_logprob_gap(got: dict, expected: dict) -> float:
+    """Mean |difference| of the prompt tokens' logprobs (nats) between two runs on the same prompts."""
+    diffs = [abs(a - b) for xs, ys in zip(got["PROMPT_LOGPROBS"], expected["PROMPT_LOGPROBS"]) for a, b in zip(xs, ys)]
+    return sum(diffs) / len(diffs)

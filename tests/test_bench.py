@@ -257,7 +257,8 @@ def _run(workload, backend, phase="main", **fields):
            "sparsity": 0.5 if duo_kind else None, "input_len": spec.input_len,
            "output_len": 1 if phase == "prefill" else spec.output_len, "num_prompts": spec.num_prompts,
            "batch_size": spec.batch_size, "max_model_len": spec.max_model_len, "command": f"vllm bench {workload}",
-           "log": f"logs/{workload}.log", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "wall_s": 60.0}
+           "log": f"logs/{workload}.log", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "wall_s": 60.0,
+           "kv_cache_dtype": "auto"}
     if duo_kind:
         fields = {"retrieval_ratio": 0.5, "sink": 64, "recent": 256, **fields}
     return {**run, **fields}
@@ -321,3 +322,37 @@ def test_report_tables_limits_and_plots(tmp_path):
                   bench_report.Roofline(shape, 989e12, 3.35e12, retrieval=0.5, window=320))
     assert duo.prefill_s(512) == pytest.approx(dense.prefill_s(512), rel=0.02)  # all inside the window
     assert dense.step_s(32, 32768) / duo.step_s(32, 32768) > 1.5  # KV-bound decode: half the KV read
+
+
+def test_kv_cache_dtypes_run_every_backend_at_each(tmp_path, capsys):
+    """`--kv-cache-dtype auto fp8`: dense and duo at both, the fp8 runs with the flag, nothing else changed."""
+    assert cli.main(["bench", "--model", "/models/llama8b", "--workloads", "decode_heavy", "--sparsity", "0.5",
+                     "--pattern", "Meta-Llama-3.1-8B-Instruct", "--kv-cache-dtype", "auto", "fp8",
+                     "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(commands) == 4
+    stems = [c.split("--output-json ")[1].rsplit("/", 1)[1] for c in commands]
+    assert stems == ["decode_heavy__dense.json", "decode_heavy__dense-fp8.json", "decode_heavy__duo-s-0.5.json",
+                     "decode_heavy__duo-s-0.5-fp8.json"]
+    assert ["--kv-cache-dtype fp8" in c for c in commands] == [False, True, False, True]
+
+
+def test_report_takes_each_ratio_against_dense_at_the_same_kv_dtype(tmp_path):
+    cap = dict(max_concurrency_len=131072)
+    runs = [_run("capacity", "dense", max_concurrency=3.5, **cap),
+            _run("capacity", "dense fp8", max_concurrency=7.0, kv_cache_dtype="fp8", **cap),
+            _run("capacity", "duo s=0.5 fp8", max_concurrency=13.9, kv_cache_dtype="fp8", **cap),
+            _run("decode_heavy", "dense", metrics={"output_tok_s": 800.0}),
+            _run("decode_heavy", "dense fp8", kv_cache_dtype="fp8", metrics={"output_tok_s": 1200.0}),
+            _run("decode_heavy", "duo s=0.5 fp8", kv_cache_dtype="fp8", metrics={"output_tok_s": 1800.0})]
+    results = {"device": "NVIDIA H100 80GB HBM3", "model_shape": LLAMA_8B, "runs": runs,
+               "workloads": {name: dict(vars(bench.WORKLOADS[name])) for name in ("capacity", "decode_heavy")}}
+    report = bench_report.markdown(results, tmp_path, plots=False)
+    # capacity: 13.9 / 7.0 against dense fp8, 13.9 / 3.5 against dense with the model's dtype
+    assert "| duo/dense | vs dense with the model's KV dtype |" in report
+    assert "| dense fp8 | - | 7.00x | - | 2.00x |" in report
+    assert "| duo s=0.5 fp8 | - | 13.90x | 1.99x | 3.97x |" in report
+    assert "| duo s=0.5 fp8 | 1,800.0 | - | - | 1.50x |" in report  # 1800 / 1200, not / 800
+    assert "| dense fp8 | 1,200.0 | - | - | - |" in report
+    summary = bench_report.summary(results, tmp_path)
+    assert "duo s=0.5 fp8 1,800.00 out tok/s (1.50x dense fp8)" in summary

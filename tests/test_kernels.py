@@ -22,7 +22,8 @@ from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.cache_write import write_retrieval_kv, write_streaming_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
-from vllm_duo.kernels.reference import LayerHeads, duo_attention, write_retrieval, write_streaming  # noqa: E402
+from vllm_duo.kernels.reference import (KVQuant, LayerHeads, duo_attention, quantize, write_retrieval,  # noqa: E402
+                                        write_streaming)
 
 CPU = torch.device("cpu")
 
@@ -97,6 +98,7 @@ class Case:
     scale: float
     device: torch.device = field(default=CPU)
     ring: torch.Tensor | None = None  # another layer's cache holding the ring; None: in `cache`
+    quant: KVQuant | None = None  # scales of an fp8 cache
 
     @property
     def qsl(self) -> torch.Tensor:
@@ -117,13 +119,14 @@ class Case:
         """Reference output and the caches after the step (the case's own caches stay untouched)."""
         (cache, ring), out = self.fresh_caches(), torch.zeros_like(self.query)
         duo_attention(self.query, self.key, self.value, cache, self.heads, self.query_start_loc, self.seq_lens,
-                      self.block_table, self.scale, out, ring_cache=ring)
+                      self.block_table, self.scale, out, ring_cache=ring, quant=self.quant)
         return out, (cache, ring)
 
 
 def assert_caches_equal(caches, expected) -> None:
+    """Bit for bit (fp8 caches compared as bytes)."""
     for got, want in zip(caches, expected):
-        assert (got is None and want is None) or torch.equal(got, want)
+        assert (got is None and want is None) or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def fused_qkv(num_tokens: int, p: Preset, dtype, device):
@@ -132,7 +135,9 @@ def fused_qkv(num_tokens: int, p: Preset, dtype, device):
     return qkv.split([p.num_heads, p.num_kv_heads, p.num_kv_heads], dim=1)
 
 
-def make_case(p: Preset, dtype=torch.float32, device=CPU) -> Case:
+def make_case(p: Preset, dtype=torch.float32, device=CPU, kv_dtype=None, quant: KVQuant | None = None) -> Case:
+    """A case whose cache has `kv_dtype` (default `dtype`; fp8 caches use `quant`'s scales)."""
+    kv_dtype = kv_dtype or dtype
     R, S = len(p.retrieval), p.num_kv_heads - len(p.retrieval)
     P = p.page_heads or max(R, 1)
     ring_heads, ring_offset = p.ring_host or (P, 0)
@@ -148,10 +153,10 @@ def make_case(p: Preset, dtype=torch.float32, device=CPU) -> Case:
         table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
         ids = ids[n:]
     table = table.to(device)
-    cache = torch.randn(num_blocks, 2, p.block_size, P, p.head_dim, dtype=dtype, device=device)
+    cache = torch.randn(num_blocks, 2, p.block_size, P, p.head_dim, dtype=dtype, device=device).to(kv_dtype)
     ring = None
     if p.ring_host:
-        ring = torch.randn(num_blocks, 2, p.block_size, ring_heads, p.head_dim, dtype=dtype, device=device)
+        ring = torch.randn(num_blocks, 2, p.block_size, ring_heads, p.head_dim, dtype=dtype, device=device).to(kv_dtype)
     scale = p.head_dim ** -0.5
 
     cached = [c for c, _ in p.requests]
@@ -160,12 +165,13 @@ def make_case(p: Preset, dtype=torch.float32, device=CPU) -> Case:
         starts = [0]
         for c in cached:
             starts.append(starts[-1] + c)
-        duo_attention(q, k, v, cache, heads, starts, cached, table, scale, torch.empty_like(q), ring_cache=ring)
+        duo_attention(q, k, v, cache, heads, starts, cached, table, scale, torch.empty_like(q), ring_cache=ring,
+                      quant=quant)
     starts = [0]
     for _, n in p.requests:
         starts.append(starts[-1] + n)
     q, k, v = fused_qkv(starts[-1], p, dtype, device)
-    return Case(p, heads, cache, table, q, k, v, starts, seq_lens, scale, device, ring)
+    return Case(p, heads, cache, table, q, k, v, starts, seq_lens, scale, device, ring, quant)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
@@ -188,7 +194,8 @@ def run_duo(case: Case, cache: torch.Tensor, max_num_splits: int | None = None,
     out = case.poisoned_output()
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
     duo_attention_triton(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits, ring_cache=ring)
+                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits, ring_cache=ring,
+                         quant=case.quant)
     return out
 
 
@@ -290,6 +297,78 @@ def test_duo_attention_triton_fp16():
     assert torch.equal(cache, ref_caches[0])
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+SCALES = KVQuant(k_scale=0.37, v_scale=2.5)  # unequal, not powers of two: a swapped or missing scale shows
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("name", ["chunked_mixed", "pooled_ring", "all_streaming_odd_ring", "decode_gqa3"])
+def test_cache_write_fp8(name, kv_dtype):
+    """The write kernel stores `x / scale` rounded to nearest even, byte for byte as the reference does."""
+    case = make_case(PRESETS[name], kv_dtype=kv_dtype, quant=SCALES)
+    _, (ref, ref_ring) = case.reference()
+    cache, ring = case.fresh_caches()
+    heads, E = case.heads, case.heads.streaming_blocks
+    write_retrieval_kv(case.key, case.value, cache, heads.retrieval_kv, case.qsl, case.sl, case.block_table, E,
+                       SCALES)
+    if heads.num_streaming:
+        write_streaming_kv(case.key, case.value, cache if ring is None else ring, heads.streaming_kv, case.qsl,
+                           case.sl, case.block_table, heads.sink, heads.recent, heads.ring_offset, SCALES)
+    assert_caches_equal((cache, ring), (ref, ref_ring))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("name", PRESETS)
+def test_duo_attention_triton_fp8(name, kv_dtype):
+    """Kernels on an fp8 cache: pages and rings dequantized in registers, the chunk's own keys rounded as stored."""
+    case = make_case(PRESETS[name], kv_dtype=kv_dtype, quant=SCALES)
+    ref, ref_caches = case.reference()
+    cache, ring = case.fresh_caches()
+    out = run_duo(case, cache, max_num_splits=2, ring=ring)
+    assert_close(out, ref, torch.float32)
+    assert_caches_equal((cache, ring), ref_caches)
+
+
+def test_fp8_reference_sees_stored_values():
+    """The reference attends to what an fp8 cache holds: scaling K and V and their scales together changes nothing,
+    while the same inputs against a bf16-exact cache differ (the test can tell fp8 from no quantization)."""
+    p = PRESETS["chunked_mixed"]
+    torch.manual_seed(1)
+    case = make_case(p, kv_dtype=torch.float8_e4m3fn, quant=KVQuant(1.0, 1.0))
+    out, _ = case.reference()
+    scaled = Case(**{**case.__dict__, "key": case.key * 4, "value": case.value * 4,
+                     "query": case.query / 4, "quant": KVQuant(4.0, 4.0)})
+    scaled_out, _ = scaled.reference()
+    torch.testing.assert_close(scaled_out / 4, out, rtol=1e-5, atol=1e-5)
+    exact = Case(**{**case.__dict__, "cache": case.cache.float(), "ring": None, "quant": None})
+    assert not torch.allclose(exact.reference()[0], out, atol=1e-3)
+
+
+def test_kernels_refuse_rounding_toward_zero():
+    case = make_case(PRESETS["decode_mha"], kv_dtype=torch.float8_e4m3fn, quant=KVQuant(toward_zero=True))
+    with pytest.raises(ValueError, match="nearest even"):
+        run_duo(case, case.cache.clone())
+
+
+@pytest.mark.parametrize("kv_cache_dtype, dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_reference_rounds_as_vllm_cpu_cache_write(kv_cache_dtype, dtype, scale):
+    """`KVQuant(toward_zero=True)` stores exactly what vLLM's CPU backend stores for the same K (its cache write
+    truncates), so duo with no streaming head equals dense fp8 on the CPU token for token."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+        pytest.skip("vLLM's CPU build is not installed")
+    n, H, D, bs = 64, 3, 64, 32
+    key = torch.randn(n, H, D) * torch.logspace(-6, 4, n)[:, None, None]
+    cache = torch.zeros(2, H, bs, 2 * D, dtype=torch.uint8)  # vLLM CPU's [blocks, heads, bs, 2 * D]
+    key_cache, value_cache = cache.view(2, H, bs * 2, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, key, key_cache, value_cache, torch.arange(n), "vec", k_scale=scale,
+                                   v_scale=scale, kv_cache_dtype=kv_cache_dtype)
+    stored_v = cache.view(2, H, 2, bs, D)[:, :, 1].permute(0, 2, 1, 3).reshape(n, H, D)  # V rows are [token, dim]
+    assert torch.equal(stored_v, quantize(key, scale, dtype, toward_zero=True).view(torch.uint8))
+    assert not torch.equal(stored_v, quantize(key, scale, dtype).view(torch.uint8))
+
+
 @pytest.mark.parametrize("chunks", [(23, 23, 23, 1, 1, 1), (5, 40, 1, 1, 30, 1)])
 def test_steps_keep_cache_in_sync(chunks):
     """Prompt chunks then decode steps, each path on its own cache: the outputs agree at every step."""
@@ -332,29 +411,68 @@ def test_duo_attention_triton_cuda(name, dtype):
     assert_caches_equal((cache, ring), ref_caches)
 
 
+def cuda_scales() -> KVQuant:
+    """Device scales, as vLLM's layers hold them (`_k_scale` ...)."""
+    return KVQuant(*(torch.tensor(x, device=CUDA) for x in (0.37, 2.5, 0.5)))
+
+
+def with_flash_fp8_queries(case: Case) -> Case:
+    """The case as FlashAttention-3's fp8 prefill sees it: on an e4m3 cache the retrieval heads of a batch with a
+    prefill get fp8 queries (q / q_scale, rounded), as in vLLM's dense FLASH_ATTN."""
+    from vllm_duo.kernels.attention import flash_attn_varlen
+
+    lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
+    if case.cache.dtype != torch.float8_e4m3fn or max(lens) == 1 or flash_attn_varlen() is None:
+        return case
+    q, rq, q_scale = case.query.clone(), case.heads.retrieval_q, case.quant.q_scale
+    q[:, rq] = (quantize(q[:, rq], q_scale, torch.float8_e4m3fn).float() * q_scale).to(q.dtype)
+    return Case(**{**case.__dict__, "query": q})
+
+
 @pytest.mark.gpu
-def test_decode_cuda_graph():
-    """A decode step captured once replays correctly on new inputs written into the same buffers."""
-    case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA)
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("name", list(GPU_PRESETS) + list(PRESETS))
+def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
+    """bf16 model, fp8 cache: the write rounds as torch does (byte-equal caches), attention matches the reference."""
+    case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype,
+                     quant=cuda_scales())
+    cache, ring = case.fresh_caches()
+    out = run_duo(case, cache, ring=ring)
+    torch.cuda.synchronize()
+    ref, ref_caches = with_flash_fp8_queries(case).reference()
+    assert_close(out, ref, torch.bfloat16)
+    assert_caches_equal((cache, ring), ref_caches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_cuda_graph(kv_dtype):
+    """A decode step captured once replays correctly on new inputs written into the same buffers, and on new
+    scales (vLLM's --calculate-kv-scales sets them after capture)."""
+    quant = cuda_scales() if kv_dtype != torch.bfloat16 else None
+    case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     qsl, sl, out = case.qsl, case.sl, case.poisoned_output()
     cache = case.cache.clone()
     start_cache = cache.clone()
 
     def step():
         duo_attention_triton(case.query, case.key, case.value, cache, case.heads, qsl, sl, case.block_table,
-                             case.scale, out, 1, 16384, max_num_splits=8)
+                             case.scale, out, 1, 16384, max_num_splits=8, quant=quant)
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for _ in range(2):
+    for replay in range(2):
         for t in (case.query, case.key, case.value):
             t.copy_(torch.randn_like(t))
+        if quant is not None and replay:
+            quant.k_scale.fill_(0.8)
+            quant.v_scale.fill_(0.3)
         cache.copy_(start_cache)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         ref, ref_caches = case.reference()  # case.cache is the state before the step
         assert_close(out, ref, torch.bfloat16)
-        assert torch.equal(cache, ref_caches[0])
+        assert_caches_equal((cache,), ref_caches[:1])

@@ -7,6 +7,10 @@ maps are then contiguous ranges. Layers whose weights vLLM quantizes keep the mo
 the maps say where each head is; the kernels take the maps as arguments and read heads in place.
 Under tensor parallelism each rank maps the KV heads it holds (`DuoPlan.retrieval_heads(layer,
 rank, tp)`).
+
+With `--kv-cache-dtype fp8` pages and rings hold `fp8(x / scale)` with the layer's own k/v scales
+(vLLM's `_k_scale` / `_v_scale`: from the checkpoint, 1.0, or `--calculate-kv-scales`), written the
+way the platform's dense backend writes them; the kernels dequantize in registers.
 """
 
 from __future__ import annotations
@@ -30,17 +34,19 @@ from vllm.v1.attention.backend import (
 
 from vllm_duo.config import plan_from_vllm_config
 from vllm_duo.kernels.attention import duo_attention_triton
-from vllm_duo.kernels.reference import LayerHeads, duo_attention
+from vllm_duo.kernels.reference import KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
 FORCE_TORCH_PATH = os.environ.get("VLLM_DUO_ATTENTION", "triton") == "torch"
+# vLLM stores fp8 caches as uint8; "fp8" is e4m3 on CUDA and CPU alike (ROCm's fnuz format is not supported).
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class DuoAttentionBackend(AttentionBackend):
     accept_output_buffer: bool = True
     supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16", *FP8_CACHE_DTYPES]
     forward_includes_kv_cache_update = True
 
     @staticmethod
@@ -167,6 +173,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
         self.attn_type = attn_type
         self.vllm_config = get_current_vllm_config()  # set while vLLM builds the model
         self.heads: LayerHeads | None = None
@@ -200,6 +207,16 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             return kv_cache
         return self.vllm_config.compilation_config.static_forward_context[self.ring_layer].kv_cache
 
+    def _quant(self, layer, on_host: bool) -> KVQuant | None:
+        """The layer's fp8 storage: its scales as the kernels read them (device tensors, which vLLM updates in
+        place) or as floats for the PyTorch path, which on the CPU rounds toward zero as vLLM's CPU backend does."""
+        if self.fp8_dtype is None:
+            return None
+        if on_host:
+            return KVQuant(layer._k_scale_float, layer._v_scale_float, layer._q_scale_float,
+                           toward_zero=not layer.kv_cache.is_cuda)
+        return KVQuant(layer._k_scale, layer._v_scale, layer._q_scale)
+
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: DuoAttentionMetadata | None, output: torch.Tensor,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
@@ -219,14 +236,17 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         n = m.num_actual_tokens
         heads = self._layer_heads(layer)
         ring_cache = self._ring_cache(kv_cache)
+        if self.fp8_dtype is not None:  # vLLM allocates fp8 caches as uint8
+            kv_cache, ring_cache = kv_cache.view(self.fp8_dtype), ring_cache.view(self.fp8_dtype)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         if kv_cache.is_cuda and not FORCE_TORCH_PATH:
             duo_attention_triton(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
-                                 out, m.max_query_len, m.max_seq_len, ring_cache=ring_cache)
+                                 out, m.max_query_len, m.max_seq_len, ring_cache=ring_cache,
+                                 quant=self._quant(layer, on_host=False))
         else:
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
-                          self.scale, out, ring_cache=ring_cache)
+                          self.scale, out, ring_cache=ring_cache, quant=self._quant(layer, on_host=True))
         return output

@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_duo.bench_report import kv_suffix
 from vllm_duo.quickstart import free_port
 
 SCHEMA_VERSION = 1
@@ -137,12 +138,14 @@ _BACKEND_MODULES = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "vllm.vllm_flash_a
 
 @dataclass(frozen=True)
 class Variant:
-    """One attention backend configuration: vLLM's default ("dense"), another dense backend, or duo at a sparsity."""
+    """One attention backend configuration: vLLM's default ("dense"), another dense backend, or duo at a sparsity,
+    with a KV cache dtype ("auto": the model's; else named in the label, e.g. "duo s=0.5 fp8")."""
 
     label: str
     backend: str | None = None  # --attention-backend; None: vLLM's default
     sparsity: float | None = None
     layer_exclusive: bool = False  # duo serving the pattern's ZigzagAttention form at `sparsity`
+    kv_cache_dtype: str = "auto"
 
     @property
     def slug(self) -> str:
@@ -153,16 +156,18 @@ class Variant:
         return self.backend == "duo"
 
 
-def dense() -> Variant:
-    return Variant("dense")
+def dense(kv_cache_dtype: str = "auto") -> Variant:
+    """vLLM's default backend: the baseline of every variant with the same KV cache dtype."""
+    return Variant("dense" + kv_suffix(kv_cache_dtype), kv_cache_dtype=kv_cache_dtype)
 
 
-def duo(sparsity: float) -> Variant:
-    return Variant(f"duo s={sparsity:g}", "duo", sparsity)
+def duo(sparsity: float, kv_cache_dtype: str = "auto") -> Variant:
+    return Variant(f"duo s={sparsity:g}{kv_suffix(kv_cache_dtype)}", "duo", sparsity, kv_cache_dtype=kv_cache_dtype)
 
 
-def zigzag(sparsity: float) -> Variant:
-    return Variant(f"zigzag s={sparsity:g}", "duo", sparsity, layer_exclusive=True)
+def zigzag(sparsity: float, kv_cache_dtype: str = "auto") -> Variant:
+    return Variant(f"zigzag s={sparsity:g}{kv_suffix(kv_cache_dtype)}", "duo", sparsity, layer_exclusive=True,
+                   kv_cache_dtype=kv_cache_dtype)
 
 
 @dataclass
@@ -184,6 +189,7 @@ class Settings:
     dry_run: bool = False
     only: str | None = None  # "dense", "duo" or "zigzag": one side of a suite split over calls into one --out
     argv: list[str] = field(default_factory=list)
+    kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # each backend runs at each
 
     def duo_config(self, variant: Variant) -> dict:
         if variant.layer_exclusive:  # the file's stored layer-exclusive mask, not the gates at a sparsity
@@ -241,6 +247,8 @@ def engine_args(settings: Settings, workload: Workload, variant: Variant) -> lis
     args += ["--load-format", settings.load_format, "--max-model-len", str(workload.max_model_len)]
     if variant.backend:
         args += ["--attention-backend", variant.backend]
+    if variant.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", variant.kv_cache_dtype]
     if variant.is_duo:
         args += ["--additional-config", json.dumps({"duo": settings.duo_config(variant)})]
     return args + list(workload.engine_args) + settings.engine_args
@@ -517,10 +525,14 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> str | N
 
 
 def variants_for(settings: Settings, workload: Workload, available_dense: list[str]) -> list[Variant]:
+    """Dense baselines first, then duo and zigzag, each at every --kv-cache-dtype."""
     sparsities = settings.capacity_sparsity if workload.name == "capacity" else settings.sparsity
-    baselines = [dense()] + [Variant(name, name) for name in available_dense]
-    duos = [duo(s) for s in sparsities]
-    zigzags = [] if workload.name == "capacity" else [zigzag(s) for s in settings.zigzag_sparsity]
+    kv_dtypes = settings.kv_cache_dtypes
+    baselines = [dense(kv) for kv in kv_dtypes] + [Variant(name + kv_suffix(kv), name, kv_cache_dtype=kv)
+                                                   for name in available_dense for kv in kv_dtypes]
+    duos = [duo(s, kv) for s in sparsities for kv in kv_dtypes]
+    zigzags = [] if workload.name == "capacity" else [zigzag(s, kv) for s in settings.zigzag_sparsity
+                                                      for kv in kv_dtypes]
     return {"dense": baselines, "duo": duos, "zigzag": zigzags}.get(settings.only, baselines + duos + zigzags)
 
 
@@ -570,7 +582,8 @@ class Suite:
 
     def _record(self, workload: Workload, variant: Variant, phase: str, command: list[str], **fields) -> dict:
         record = {"workload": workload.name, "kind": workload.kind, "backend": variant.label,
-                  "attention_backend": variant.backend, "sparsity": variant.sparsity, "phase": phase,
+                  "attention_backend": variant.backend, "sparsity": variant.sparsity,
+                  "kv_cache_dtype": variant.kv_cache_dtype, "phase": phase,
                   "input_len": workload.input_len,
                   "output_len": 1 if phase == "prefill" else workload.output_len,
                   "num_prompts": workload.num_prompts, "batch_size": workload.batch_size,
@@ -608,6 +621,7 @@ class Suite:
         return {"model": s.model, "tokenizer": s.tokenizer, "load_format": s.load_format, "pattern": s.pattern,
                 "sparsity": s.sparsity, "capacity_sparsity": s.capacity_sparsity,
                 "zigzag_sparsity": s.zigzag_sparsity, "sink": s.sink, "recent": s.recent,
+                "kv_cache_dtypes": s.kv_cache_dtypes,
                 "engine_args": s.engine_args, "timeout_s": s.timeout,
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("VLLM_", "CUDA_VISIBLE")) or k in ("HF_HUB_OFFLINE", "PYTHONPATH")}}
@@ -856,6 +870,7 @@ def command_line(args: argparse.Namespace, settings: Settings) -> list[str]:
     argv += ["--capacity-sparsity", *(f"{s:g}" for s in args.capacity_sparsity)] if args.capacity_sparsity else []
     argv += ["--zigzag-sparsity", *(f"{s:g}" for s in settings.zigzag_sparsity)] if settings.zigzag_sparsity else []
     argv += ["--sink", str(settings.sink), "--recent", str(settings.recent), "--workloads", *args.workloads]
+    argv += ["--kv-cache-dtype", *settings.kv_cache_dtypes]
     argv += ["--max-model-len", *args.max_model_len] if args.max_model_len else []
     argv += ["--set", *args.set] if args.set else []
     argv += ["--extra-dense-backends", *settings.extra_dense_backends] if settings.extra_dense_backends else []
@@ -887,7 +902,8 @@ def command(args: argparse.Namespace) -> str:
                         sparsity=args.sparsity, capacity_sparsity=args.capacity_sparsity or args.sparsity,
                         zigzag_sparsity=args.zigzag_sparsity, sink=args.sink, recent=args.recent, workloads=workloads,
                         extra_dense_backends=args.extra_dense_backends, engine_args=shlex.split(args.engine_args or ""),
-                        out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only)
+                        out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only,
+                        kv_cache_dtypes=list(dict.fromkeys(args.kv_cache_dtype)))
     settings.argv = command_line(args, settings)
     settings.write_zigzag_patterns()
     if args.dry_run:

@@ -70,9 +70,10 @@ class Roofline:
     shape: ModelShape
     flops: float  # FLOP/s
     bandwidth: float  # bytes/s
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # weights
     retrieval: float = 1.0  # 1: dense
     window: int = 0  # sink + recent
+    kv_bytes: int | None = None  # per K or V element; default dtype_bytes (1 for an fp8 KV cache)
 
     def kv_reserved(self, n: float) -> float:
         """Tokens' worth of KV memory one request of n tokens holds."""
@@ -95,7 +96,7 @@ class Roofline:
         s = self.shape
         kv = self.kv_read(context)
         flops = batch * (2 * s.matmul_params + 4 * s.head_dim * s.heads * s.layers * kv)
-        kv_bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * self.dtype_bytes
+        kv_bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * (self.kv_bytes or self.dtype_bytes)
         moved = s.matmul_params * self.dtype_bytes + batch * kv * kv_bytes_per_token
         return max(flops / self.flops, moved / self.bandwidth)
 
@@ -201,18 +202,27 @@ class Report:
     def backends(self, workload: str) -> list[str]:
         labels = list(dict.fromkeys(r["backend"] for r in self.of(workload)))
         duo_kinds = ("duo", "zigzag")
-        return sorted(labels, key=lambda b: (b != "dense", b.startswith(duo_kinds), b.startswith("zigzag"), b))
+        return sorted(labels, key=lambda b: (not is_baseline(b), b.startswith(duo_kinds), b.startswith("zigzag"), b))
+
+    def kv_cache_dtype(self, workload: str, backend: str) -> str:
+        run = next((r for r in self.of(workload) if r["backend"] == backend), {})
+        return run.get("kv_cache_dtype") or "auto"
+
+    def baseline(self, workload: str, backend: str, phase: str) -> dict | None:
+        """The run a backend's ratio is against: vLLM's default backend at the same KV cache dtype and phase."""
+        return self.find(workload, "dense" + kv_suffix(self.kv_cache_dtype(workload, backend)), phase)
 
     def roofline(self, run: dict) -> Roofline | None:
         if self.shape is None:
             return None
         dtype_bytes = _DTYPE_BYTES.get(run.get("dtype") or "bfloat16", 2)
+        kv_bytes = 1 if (run.get("kv_cache_dtype") or "auto").startswith("fp8") else dtype_bytes
         if run.get("attention_backend") != "duo":
-            return Roofline(self.shape, self.flops, self.bandwidth, dtype_bytes)
+            return Roofline(self.shape, self.flops, self.bandwidth, dtype_bytes, kv_bytes=kv_bytes)
         if run.get("retrieval_ratio") is None:
             return None
         window = (run.get("sink") or 0) + (run.get("recent") or 0)
-        return Roofline(self.shape, self.flops, self.bandwidth, dtype_bytes, run["retrieval_ratio"], window)
+        return Roofline(self.shape, self.flops, self.bandwidth, dtype_bytes, run["retrieval_ratio"], window, kv_bytes)
 
     # --- the physical limit: model speedup of duo over dense (> 1: duo faster / holds more)
 
@@ -248,12 +258,10 @@ class Report:
         head = ("| backend | output tok/s | total tok/s | req/s | duo/dense | limit | reached | KV cache tokens "
                 "| max concurrency | wall s |")
         lines = [head, _separator(head)]
-        dense = self.find(workload, "dense", "main")
-        base = _metric(dense, "output_tok_s")
         for backend in self.backends(workload):
-            run = self.find(workload, backend, "main")
+            run, dense = self.find(workload, backend, "main"), self.baseline(workload, backend, "main")
             value = _metric(run, "output_tok_s")
-            ratio = _ratio(value, base) if backend != "dense" else None
+            ratio = _ratio(value, _metric(dense, "output_tok_s")) if not is_baseline(backend) else None
             limit = self.limit_speedup(dense, run, "throughput") if _ok(run) else None
             lines.append(f"| {backend} | {self._value_or_status(run, value)} | {_fmt(_metric(run, 'total_tok_s'))} "
                          f"| {_fmt(_metric(run, 'requests_per_s'), 2)} | {_fmt(ratio, 2, 'x')} "
@@ -262,34 +270,37 @@ class Report:
         return lines
 
     def capacity_table(self, workload: str) -> list[str]:
-        head = "| backend | KV cache tokens | max concurrency | duo/dense | limit | reached | wall s |"
+        """duo/dense at the same KV cache dtype; with other dtypes run too, also each run against plain dense."""
+        mixed = any(self.kv_cache_dtype(workload, b) != "auto" for b in self.backends(workload))
+        model_kv = " | vs dense with the model's KV dtype" if mixed else ""
+        head = f"| backend | KV cache tokens | max concurrency | duo/dense{model_kv} | limit | reached | wall s |"
         lines = [head, _separator(head)]
-        dense = self.find(workload, "dense", "main")
-        base = (dense or {}).get("max_concurrency") if _ok(dense) or (dense or {}).get("max_concurrency") else None
+        plain = (self.find(workload, "dense", "main") or {}).get("max_concurrency")
         for backend in self.backends(workload):
-            run = self.find(workload, backend, "main") or {}
-            ratio = _ratio(run.get("max_concurrency"), base) if backend != "dense" else None
+            run, dense = self.find(workload, backend, "main") or {}, self.baseline(workload, backend, "main")
+            base = (dense or {}).get("max_concurrency")
+            ratio = _ratio(run.get("max_concurrency"), base) if not is_baseline(backend) else None
+            against_plain = f" | {_fmt(_ratio(run.get('max_concurrency'), plain) if backend != 'dense' else None, 2, 'x')}"
             limit = self.limit_speedup(dense, run, "capacity")
             status = "" if _ok(run) else f" ({run.get('status', 'missing')})"
             lines.append(f"| {backend}{status} | " + " | ".join(self.capacity_cells(run))
-                         + f" | {_fmt(ratio, 2, 'x')} | {_fmt(limit, 2, 'x')} | {_reached(ratio, limit)} "
-                           f"| {_fmt(run.get('wall_s'), 0)} |")
+                         + f" | {_fmt(ratio, 2, 'x')}{against_plain if mixed else ''} | {_fmt(limit, 2, 'x')} "
+                           f"| {_reached(ratio, limit)} | {_fmt(run.get('wall_s'), 0)} |")
         return lines
 
     def latency_table(self, workload: str) -> list[str]:
-        dense = self.find(workload, "dense", "main")
         with_tpot = any(r["phase"] == "prefill" for r in self.of(workload))
-        output_len = (dense or (self.of(workload) or [{}])[0]).get("output_len", 0)
+        output_len = next((r["output_len"] for r in self.of(workload, "main")), 0)
         headline = "TPOT ms" if with_tpot else ("TTFT s" if output_len == 1 else "latency s")
         twin = f"latency s with 1 output token | {headline} | " if with_tpot else ""
         head = (f"| backend | avg latency s | p50 s | p99 s | {twin}duo/dense ({headline}) | limit | reached "
                 "| KV cache tokens | max concurrency | wall s (all its runs) |")
         lines = [head, _separator(head)]
-        base = self._latency_headline(workload, "dense", with_tpot)
         for backend in self.backends(workload):
-            run = self.find(workload, backend, "main")
+            run, dense = self.find(workload, backend, "main"), self.baseline(workload, backend, "main")
             value = self._latency_headline(workload, backend, with_tpot)
-            ratio = _ratio(value, base) if backend != "dense" else None  # duo/dense of a time: < 1 is faster
+            base = self._latency_headline(workload, dense["backend"], with_tpot) if dense else None
+            ratio = _ratio(value, base) if not is_baseline(backend) else None  # duo/dense of a time: < 1 is faster
             limit = self.limit_speedup(dense, run, "tpot" if with_tpot else "latency") if _ok(run) else None
             limit_ratio = 1 / limit if limit else None
             speedup = 1 / ratio if ratio else None
@@ -317,13 +328,12 @@ class Report:
         lines = [head, _separator(head)]
         phases = list(dict.fromkeys(r["phase"] for r in self.of(workload)))
         for phase in phases:
-            dense = self.find(workload, "dense", phase)
             for backend in self.backends(workload):
-                run = self.find(workload, backend, phase)
+                run, dense = self.find(workload, backend, phase), self.baseline(workload, backend, phase)
                 if run is None:
                     continue
                 out_tok, ttft, itl = (_metric(run, key) for key in ("output_tok_s", "p99_ttft_ms", "median_itl_ms"))
-                other = backend != "dense"
+                other = not is_baseline(backend)
                 done = f"{_fmt(_metric(run, 'completed'), 0)}/{_fmt(_metric(run, 'failed'), 0)}"
                 ratios = [_fmt(_ratio(value, _metric(dense, key)) if other else None, 2, "x")
                           for value, key in ((out_tok, "output_tok_s"), (ttft, "p99_ttft_ms"), (itl, "median_itl_ms"))]
@@ -384,9 +394,11 @@ class Report:
         head = "| tokens per request | backend | workload | KV cache tokens | max concurrency | duo/dense |"
         lines = [head, _separator(head)]
         for (length, backend, workload), run in sorted(seen.items(), key=lambda kv: (kv[0][0], kv[0][2],
-                                                                                     kv[0][1] != "dense", kv[0][1])):
-            dense = seen.get((length, "dense", workload))
-            ratio = _ratio(run["max_concurrency"], dense["max_concurrency"]) if dense and backend != "dense" else None
+                                                                                     not is_baseline(kv[0][1]),
+                                                                                     kv[0][1])):
+            dense = seen.get((length, "dense" + kv_suffix(run.get("kv_cache_dtype") or "auto"), workload))
+            ratio = (_ratio(run["max_concurrency"], dense["max_concurrency"])
+                     if dense and not is_baseline(backend) else None)
             lines.append(f"| {length:,} | {backend} | {workload} | {_fmt(run.get('kv_cache_tokens'))} "
                          f"| {run['max_concurrency']:.2f}x | {_fmt(ratio, 2, 'x')} |")
         return lines
@@ -583,19 +595,21 @@ class Report:
         for run in self.runs:
             if run.get("max_concurrency") is None:
                 continue
-            if run["backend"] == "dense" or (run.get("sparsity") is not None and not run.get("layer_exclusive")):
-                groups.setdefault(run["max_concurrency_len"], {}).setdefault(run["backend"], run)
+            kv = run.get("kv_cache_dtype") or "auto"
+            if run["backend"] == "dense" + kv_suffix(kv) or (run.get("sparsity") is not None
+                                                            and not run.get("layer_exclusive")):
+                groups.setdefault((run["max_concurrency_len"], kv), {}).setdefault(run["backend"], run)
         drawn = False
-        for length, by_backend in sorted(groups.items()):
+        for (length, kv), by_backend in sorted(groups.items()):
             duo_runs = sorted((r for r in by_backend.values() if r.get("sparsity") is not None),
                               key=lambda r: r["sparsity"])
-            dense = by_backend.get("dense")
+            dense = by_backend.get("dense" + kv_suffix(kv))
             points = ([(0.0, dense["max_concurrency"])] if dense else []) + [
                 (r["sparsity"], r["max_concurrency"]) for r in duo_runs]
             if len(points) < 2 or not duo_runs:
                 continue
             line = ax.plot([x for x, _ in points], [y for _, y in points], marker="o",
-                           label=f"{length:,} tokens per request")[0]
+                           label=f"{length:,} tokens per request{kv_suffix(kv)}")[0]
             if dense and duo_runs and self.shape is not None:
                 window = (duo_runs[0].get("sink") or 0) + (duo_runs[0].get("recent") or 0)
                 xs = [i / 50 for i in range(0, 1 + int(50 * max(r["sparsity"] for r in duo_runs)))]
@@ -642,9 +656,9 @@ class Report:
             if not runs:
                 continue
             phase = "main" if any(r["phase"] == "main" for r in runs) else runs[0]["phase"]  # serve: first rate
-            dense_main = self.find(name, "dense", phase)
             parts = []
             for backend in self.backends(name):
+                dense_main = self.baseline(name, backend, phase)
                 run = self.find(name, backend, phase) or next((r for r in runs if r["backend"] == backend), None)
                 if run is None or not _ok(run):
                     parts.append(f"{backend} {run.get('status') if run else 'missing'}")
@@ -654,7 +668,7 @@ class Report:
                 elif run["kind"] == "latency":
                     with_tpot = any(r["phase"] == "prefill" for r in runs)
                     value = self._latency_headline(name, backend, with_tpot)
-                    base = self._latency_headline(name, "dense", with_tpot)
+                    base = self._latency_headline(name, dense_main["backend"], with_tpot) if dense_main else None
                     unit = " ms TPOT" if with_tpot else " s latency"
                 else:
                     value, base = _metric(run, "output_tok_s"), _metric(dense_main, "output_tok_s")
@@ -662,12 +676,23 @@ class Report:
                     if phase != "main":  # serve: the first client's rate (and prompt length, in a sweep)
                         sweep = f", {run['input_len']:,}-token prompts" if phase.startswith("in=") else ""
                         unit += f" at {_request_rate(run)} req/s{sweep}"
-                ratio = f" ({value / base:.2f}x dense)" if value is not None and base and backend != "dense" else ""
+                ratio = (f" ({value / base:.2f}x {dense_main['backend']})"
+                         if value is not None and base and not is_baseline(backend) else "")
                 parts.append(f"{backend} {_fmt(value, 2)}{unit}{ratio}")
             lines.append(f"{name}: " + "; ".join(parts))
         failed = sum(r.get("status") != "ok" for r in self.runs)
         lines.append(f"{len(self.runs)} runs, {failed} failed; results: {self.out / 'results.md'}")
         return "\n".join(lines)
+
+
+def kv_suffix(kv_cache_dtype: str) -> str:
+    """A run label's KV cache dtype part ("" for the model's own dtype): "dense fp8", "duo s=0.5 fp8"."""
+    return "" if kv_cache_dtype == "auto" else f" {kv_cache_dtype}"
+
+
+def is_baseline(backend: str) -> bool:
+    """vLLM's default backend at some KV cache dtype: the runs ratios are taken against."""
+    return backend == "dense" or backend.startswith("dense ")
 
 
 def markdown(results: dict, out: Path, plots: bool = True) -> str:

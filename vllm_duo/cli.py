@@ -141,6 +141,10 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--extra-dense-backends", nargs="*", default=[], metavar="BACKEND",
                         help="more dense baselines by vLLM --attention-backend name, e.g. FLASHINFER (skipped, "
                              "with the reason, when not importable)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="DTYPE",
+                        choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="KV cache dtypes: every backend runs at each, and each run's ratio is against dense at "
+                             "the same dtype, e.g. 'auto fp8' (default auto: the model's dtype)")
     parser.add_argument("--engine-args", metavar="'ARGS'",
                         help="more vLLM engine arguments for every run, dense and duo alike, e.g. "
                              "'--gpu-memory-utilization 0.9'")

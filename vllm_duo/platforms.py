@@ -2,7 +2,8 @@
 """vLLM platform plugin: the detected CUDA or CPU platform, plus duo's config checks.
 
 A platform's `check_and_update_config` runs while vLLM builds its config, before any model or
-GPU work: the one place to reject a bad pattern early and to turn prefix caching off for duo.
+GPU work: the one place to refuse what duo cannot serve (compatibility.py) or a bad pattern, and to
+turn prefix caching off for duo.
 On CPU it also lets `--attention-backend duo` through (vLLM's CPU platform only knows CPU_ATTN).
 Without duo selected both classes behave exactly as vLLM's own.
 """
@@ -28,18 +29,18 @@ class DuoPlatformMixin:
             return
         from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 
+        from vllm_duo.compatibility import refusal
         from vllm_duo.config import DuoConfigError, plan_from_vllm_config
         from vllm_duo.pattern import PatternError
 
+        reason = refusal(vllm_config, fp8_capable=cls.device_type == "cpu" or cls.has_device_capability(89))
+        if reason:
+            raise DuoConfigError(reason)
         try:
             plan = plan_from_vllm_config(vllm_config)
         except PatternError as error:  # a ValueError: re-raised so that pydantic does not wrap it (see DuoConfigError)
             raise DuoConfigError(str(error)) from None
-        parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise DuoConfigError("duo pools streaming rings across all layers, so it needs --pipeline-parallel-size 1: "
-                                 "use --tensor-parallel-size to split the model instead")
-        tp_size = parallel.tensor_parallel_size
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
             overhead = plan.tp_page_overhead(tp_size)
         except PatternError as error:
