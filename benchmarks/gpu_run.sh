@@ -68,15 +68,15 @@ for stage in "$@"; do
     tp_tests) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tp.py 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -15 ;;
     bench_tp2) bench bench-tp2 --workloads prefill_heavy decode_heavy --engine-args '--tensor-parallel-size 2' ;;
     # issue 18: duo with fp8 KV against dense fp8 (and dense bf16 for capacity), all parts into one folder "fp8"
-    fp8_tests) timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider -k "cuda or fp8" tests/test_kernels.py \
-        tests/test_gpu_e2e.py -s 2>&1 | tee "$OUT/gpu_fp8_tests.log" | grep -v "^\(INFO\|WARNING\|(\)" | tail -25 ;;
+    fp8_e2e_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -k fp8 -s tests/test_gpu_e2e.py 2>&1 \
+        | tee "$OUT/gpu_fp8_e2e_tests.log" | grep -v "^\(INFO\|WARNING\|(\)" | tail -25 ;;
     fp8_capacity) bench fp8 --workloads capacity --capacity-sparsity 0.5 --kv-cache-dtype auto fp8 ;;
-    fp8_tpot) bench fp8 --workloads tpot_64k --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
-    fp8_prefill) bench fp8 --workloads prefill_heavy --kv-cache-dtype fp8 ;;
+    fp8_latency_prefill) bench fp8 --workloads tpot_64k prefill_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY} ;;
     fp8_decode) bench fp8 --workloads decode_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_serve) bench fp8 --workloads serve_16k --set serve_16k.request_rates=${RATE:-2} --kv-cache-dtype fp8 \
         --only ${ONLY:?set ONLY=dense or duo} ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
+    kernels_fp8) timeout 300 python3 benchmarks/kernels_bench.py --fp8 2>&1 | tee "$OUT/kernels_bench_fp8.log" | tail -30 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

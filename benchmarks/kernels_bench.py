@@ -14,7 +14,11 @@ Every working set here is larger than the 50 MB L2, so inputs are not rotated. O
 cross-checked: duo retrieval heads against FA3 on the same K/V, decode against the PyTorch
 reference for two requests, chunked prefill against the whole-prompt run.
 
-Run from the repository root: python benchmarks/kernels_bench.py   (results: $OUT/kernels_bench.json,
+fp8 (`--fp8`): decode at batch 4 x 64k and 32 x 32k over an e4m3 cache (scales 1), the kernels multiplying
+in fp16 (their default for bf16 models) and in bf16, against the same heads in a bf16 cache and FA3's fp8
+path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
+
+Run from the repository root: python benchmarks/kernels_bench.py [--fp8]   (results: $OUT/kernels_bench.json,
 or benchmarks/results/ without $OUT).
 """
 
@@ -58,7 +62,8 @@ _import_kernels_from_checkout()
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits  # noqa: E402
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
-from vllm_duo.kernels.reference import LayerHeads, duo_attention  # noqa: E402
+from vllm_duo.kernels import cache_write  # noqa: E402
+from vllm_duo.kernels.reference import KVQuant, LayerHeads, duo_attention  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 RETRIEVAL = [0, 2, 5, 7]
@@ -236,6 +241,76 @@ def bench_decode(fa, rows, out_json, batch=32, context=32768):
     out_json["decode"] = res
 
 
+def bench_decode_fp8(fa, rows, out_json, shapes=((4, 65536), (32, 32768))):
+    """Duo decode over fp8 pages and rings: fp16 vs bf16 multiplies, vs a bf16 cache, vs FA3 fp8 dense."""
+    R = len(RETRIEVAL)
+    results = []
+    fp8 = torch.float8_e4m3fn
+    quant = KVQuant(*(torch.ones((), device=DEV) for _ in range(3)))
+    for batch, context in shapes:
+        seq_lens = [context] * batch
+        duo = DuoLayout.build(seq_lens)
+        fp8_cache = duo.cache.to(fp8)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+        query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        key, value = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV) for _ in range(2))
+        out = torch.empty_like(query)
+        token_bytes = sum(s * R + min(s, SINK + RECENT) * (NUM_KV_HEADS - R) for s in seq_lens) * 2 * HEAD_DIM
+        auto = decode_num_splits(batch, R, context, DEV)
+        res = dict(batch=batch, context=context, auto_splits=auto, duo_fp8_kv_bytes=token_bytes)
+        for label, cache, compute, bytes_per in (("bf16 cache", duo.cache, "fp16", 2),
+                                                 ("fp8 cache, fp16 multiply", fp8_cache, "fp16", 1),
+                                                 ("fp8 cache, bf16 multiply", fp8_cache, "model", 1)):
+            cache_write.FP8_COMPUTE = compute
+            for splits in sorted({auto, 8, 16}):
+                t = ms(lambda: decode_attention(query, key, value, cache, duo.heads, qsl, sl, duo.table, SCALE, out,
+                                                splits, quant=quant))
+                res[f"{label} splits{splits} ms"] = t
+                rows.append((f"fp8 {batch}x{context // 1024}k", f"duo {label}, {splits} splits", t,
+                             token_bytes * bytes_per / t / 1e6))
+            if cache is fp8_cache:  # the whole step against the reference (fp32 over the same fp8 values)
+                before = cache.clone()
+                duo_attention_triton(query, key, value, cache.clone(), duo.heads, qsl, sl, duo.table, SCALE, out, 1,
+                                     context, auto, quant=quant)
+                ref = torch.zeros_like(query[:2])
+                duo_attention(query[:2], key[:2], value[:2], before, duo.heads, [0, 1, 2], seq_lens[:2],
+                              duo.table[:2], SCALE, ref, quant=quant)
+                res[f"{label} check_vs_reference_rel_err"] = rel_err(out[:2], ref)
+                del before
+        cache_write.FP8_COMPUTE = "fp16"
+        del duo, fp8_cache
+        if fa is not None:
+            dense_k, dense_v, dense_table = dense_paged(seq_lens)
+            dense_k, dense_v = dense_k.to(fp8), dense_v.to(fp8)
+            shape = (batch, NUM_KV_HEADS)
+            ones = torch.ones(shape, device=DEV)
+            query_fp8 = query.to(fp8)
+            t = ms(lambda: fa(query_fp8, dense_k, dense_v, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context,
+                              seqused_k=sl, softmax_scale=SCALE, causal=True, block_table=dense_table,
+                              q_descale=ones, k_descale=ones, v_descale=ones))
+            dense_bytes = sum(seq_lens) * NUM_KV_HEADS * 2 * HEAD_DIM
+            res["fa_dense_fp8_ms"] = t
+            rows.append((f"fp8 {batch}x{context // 1024}k", f"FA{fa.version} fp8 dense, {NUM_KV_HEADS} KV heads", t,
+                         dense_bytes / t / 1e6))
+            retrieval_kv = torch.tensor(RETRIEVAL, device=DEV)
+            retrieval_q = torch.tensor([h * (NUM_HEADS // NUM_KV_HEADS) + g for h in RETRIEVAL
+                                        for g in range(NUM_HEADS // NUM_KV_HEADS)], device=DEV)
+            k_half, v_half = dense_k[:, :, retrieval_kv].contiguous(), dense_v[:, :, retrieval_kv].contiguous()
+            q_half = query_fp8[:, retrieval_q].contiguous()
+            half_ones = torch.ones((batch, R), device=DEV)
+            t = ms(lambda: fa(q_half, k_half, v_half, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context,
+                              seqused_k=sl, softmax_scale=SCALE, causal=True, block_table=dense_table,
+                              q_descale=half_ones, k_descale=half_ones, v_descale=half_ones))
+            res["fa_retrieval_share_fp8_ms"] = t
+            rows.append((f"fp8 {batch}x{context // 1024}k", f"FA{fa.version} fp8 on the {R} retrieval KV heads only", t,
+                         dense_bytes / 2 / t / 1e6))
+            del dense_k, dense_v, k_half, v_half
+        torch.cuda.empty_cache()
+        results.append(res)
+    out_json["decode_fp8"] = results
+
+
 def bench_prefill(fa, rows, out_json, lengths=(8192, 32768, 131072), chunk=8192):
     R = len(RETRIEVAL)
     results = []
@@ -323,7 +398,9 @@ def main():
     copy_tbps = copy_bandwidth()
     out_json["copy_tbps"] = copy_tbps
     rows = []
-    for name, fn in (("decode", bench_decode), ("prefill", bench_prefill)):
+    parts = (("decode_fp8", bench_decode_fp8),) if "--fp8" in sys.argv else (("decode", bench_decode),
+                                                                              ("prefill", bench_prefill))
+    for name, fn in parts:
         try:
             fn(fa, rows, out_json)
         except Exception:  # noqa: BLE001 - keep the other half's numbers
@@ -333,11 +410,14 @@ def main():
 
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
-    (target / "kernels_bench.json").write_text(json.dumps(out_json, indent=2))
+    name = "kernels_bench_fp8.json" if "--fp8" in sys.argv else "kernels_bench.json"
+    (target / name).write_text(json.dumps(out_json, indent=2))
 
     print(f"\n{props.name}, {props.multi_processor_count} SMs, triton {triton.__version__}; copy {copy_tbps:.2f} TB/s, "
           f"nominal {nominal} TB/s; FA: {fa_note or f'FA{fa.version}'}")
     checks = [("decode", k, v) for k, v in out_json.get("decode", {}).items() if "rel_err" in k]
+    checks += [(f"fp8 {r['batch']}x{r['context']}", k, v) for r in out_json.get("decode_fp8", []) for k, v in r.items()
+               if "rel_err" in k]
     checks += [(f"prefill {r['tokens']}", k, v) for r in out_json.get("prefill", []) for k, v in r.items()
                if "rel_err" in k]
     for case, k, v in checks:
@@ -347,7 +427,7 @@ def main():
         pct = f"{100 * gbps / (nominal * 1e3):8.1f}%" if gbps == gbps else ""
         bw = f"{gbps:8.0f}" if gbps == gbps else ""
         print(f"{case:<13} {name:<52} {t:9.3f} {bw:>8} {pct:>9}")
-    print(f"wrote {target / 'kernels_bench.json'} ({out_json['wall_s']:.0f} s)")
+    print(f"wrote {target / name} ({out_json['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
         largest = torch.finfo(cache.dtype).max
         q = (q.float() * (1.0 / q_scale)).clamp_(-largest, largest).to(cache.dtype)
         shape = (seq_lens.shape[0], R)
-        k_scale, v_scale = scale_tensors(quant, cache.device)
+        k_scale, v_scale = scale_tensors(quant, cache)
         descales = dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape),
                         v_descale=v_scale.expand(shape))
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],

@@ -16,6 +16,15 @@ from vllm_duo.kernels.reference import KVQuant
 
 WRITE_BLOCK_T = 16  # tokens per write program
 FP8_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+# Attention of bf16 queries over an fp8 cache multiplies in fp16: Hopper converts fp8 to fp16 in one instruction
+# per pair, to bf16 only through fp32. The queries are cast to fp16 (FlashAttention-3's fp8 path clips them at
+# 448, fp16 at 65504). "model" computes in the model's dtype instead (kernels_bench.py compares the two).
+FP8_COMPUTE = "fp16"
+
+
+def fp8_in_fp16(cache: torch.Tensor, query: torch.Tensor) -> bool:
+    """The kernels' FP16 constant: whether attention casts the queries (and so the K/V tiles) to fp16."""
+    return bool(fp8_format(cache)) and query.dtype == torch.bfloat16 and FP8_COMPUTE == "fp16"
 
 
 def fp8_format(cache: torch.Tensor) -> str:
@@ -30,12 +39,16 @@ def as_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(scale, dtype=torch.float32, device=device)
 
 
-def scale_tensors(quant: KVQuant | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V scales as float32 tensors on `device` (the kernels load them: graph-safe)."""
+def scale_tensors(quant: KVQuant | None, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V scale pointers of a kernel call: float32 tensors on the cache's device for an fp8 cache (the
+    kernels load them, so captured graphs see later values); else the cache itself, never read, so that no
+    tensor is made (a CUDA graph capture cannot copy one to the device)."""
+    if not fp8_format(cache):
+        return cache, cache
     quant = quant or KVQuant()
     if quant.toward_zero:
         raise ValueError("the duo kernels round fp8 to nearest even, as vLLM's CUDA cache write does")
-    return as_scale(quant.k_scale, device), as_scale(quant.v_scale, device)
+    return as_scale(quant.k_scale, cache.device), as_scale(quant.v_scale, cache.device)
 
 
 @triton.jit
@@ -227,7 +240,7 @@ def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, 
     head_dim = cache.shape[-1]
     grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads)
     _write_kv_kernel[grid](
-        key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache.device),
+        key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache),
         num_reqs, num_heads, streaming_blocks, ring_offset, cache.shape[3], sink, recent,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import check_attention, fp8_format, load_scales, scale_tensors
+from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, load_scales, scale_tensors
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, streaming_tiles
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
@@ -40,7 +40,7 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, 
                    stride_rh: tl.int64,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                   MIN_SPLIT: tl.constexpr, FP8: tl.constexpr):
+                   MIN_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS + S); requests whose query length is not 1 exit at once.
 
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output
@@ -71,6 +71,8 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, 
     q_head = kv_head * G + offs_g
     q = tl.load(query_ptr + q_start.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
                 mask=mask, other=0.0)
+    if FP16:  # K/V tiles follow q's dtype
+        q = q.to(tl.float16)
     q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
     k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, FP8)
     qk_scale = qk_scale * k_scale
@@ -178,14 +180,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         part_lse = torch.empty(num_reqs, R * G, splits, dtype=torch.float32, device=cache.device)
     _decode_kernel[(num_reqs, R * splits + S)](
         query, key, value, cache, ring_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
-        query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache.device), scale * LOG2E,
+        query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
         R, S, heads.streaming_blocks, heads.ring_offset, ring_cache.shape[3], heads.sink, heads.recent,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, FP8=fp8_format(cache), num_warps=4,
+        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
+        FP16=fp8_in_fp16(cache, query), num_warps=4,
         num_stages=3 if cache.is_cuda else 1)
     if splits > 1:
         _merge_kernel[(num_reqs, R * G)](

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_format, fp8_grid, load_scales,
-                                         retrieval_rows, ring_rows, scale_tensors)
+                                         fp8_in_fp16, retrieval_rows, ring_rows, scale_tensors)
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
@@ -149,7 +149,8 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr,
                     stride_ch: tl.int64, stride_rb: tl.int64, stride_rkv: tl.int64, stride_rr: tl.int64,
                     stride_rh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+                    FP16: tl.constexpr):
     """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones.
 
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, the output the v scale.
@@ -180,6 +181,8 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr,
     mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     tok64 = tok.to(tl.int64)[:, None]
     q = tl.load(query_ptr + tok64 * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+    if FP16:  # K/V tiles follow q's dtype
+        q = q.to(tl.float16)
 
     k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, FP8)
     qk_scale = qk_scale * k_scale
@@ -246,7 +249,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     num_tiles = num_tokens // block_q + num_reqs
     _prefill_kernel[(num_tiles, num_heads)](
         query, key, value, cache, ring_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
-        seq_lens, block_table, *scale_tensors(quant, cache.device), scale * LOG2E,
+        seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
         num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.streaming_blocks, heads.ring_offset,
         ring_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -254,4 +257,4 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), **cfg)
+        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), **cfg)

@@ -329,6 +329,17 @@ def test_duo_attention_triton_fp8(name, kv_dtype):
     assert_caches_equal((cache, ring), ref_caches)
 
 
+@pytest.mark.parametrize("name", ["chunked_mixed", "pooled_ring", "decode_gqa3"])
+def test_bf16_queries_over_fp8_multiply_in_fp16(name):
+    """bf16 models: queries and fp8 tiles meet in fp16 (kernels/cache_write.py FP8_COMPUTE), within bf16's tolerance."""
+    case = make_case(PRESETS[name], dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, quant=SCALES)
+    ref, ref_caches = case.reference()
+    cache, ring = case.fresh_caches()
+    out = run_duo(case, cache, max_num_splits=2, ring=ring)
+    assert_close(out, ref, torch.bfloat16)
+    assert_caches_equal((cache, ring), ref_caches)
+
+
 def test_fp8_reference_sees_stored_values():
     """The reference attends to what an fp8 cache holds: scaling K and V and their scales together changes nothing,
     while the same inputs against a bf16-exact cache differ (the test can tell fp8 from no quantization)."""
