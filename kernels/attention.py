@@ -20,10 +20,14 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
     """Write the batch's K/V into the duo cache and attend: single-token requests by decode.py, the rest by prefill.py.
 
+    FlashAttention-3 (Hopper) takes the retrieval heads wherever it beats our Triton kernels on
+    them (benchmarks/results): every prefill, and decode over fp8 pages, which it reads at about
+    twice our decode kernel's rate (kernels_bench.py --fp8). Triton keeps the Λ-masked streaming heads.
+
     Launch order: retrieval write, attention, streaming write (a chunk may overwrite ring
-    slots that its own earlier queries still read). With max_query_len == 1 only the decode
-    kernels run, and nothing syncs with the host: a decode batch is CUDA-graph capturable when
-    max_num_splits is fixed (or max_seq_len is, e.g. to max_model_len).
+    slots that its own earlier queries still read). With max_query_len == 1 nothing syncs with
+    the host: a decode batch is CUDA-graph capturable when max_num_splits is fixed (or max_seq_len
+    is, e.g. to max_model_len).
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`
@@ -48,20 +52,18 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     write_retrieval_kv(key, value, cache, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
                        heads.streaming_blocks, quant)
     flash = flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
-    if max_query_len > 1 and flash is not None:
-        # Prefill: FlashAttention-3 is faster than our Triton tiles on the retrieval heads' paged KV
-        # (benchmarks/results); Triton keeps the Λ-masked streaming heads it cannot do.
-        if heads.num_retrieval:
-            retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, block_table, scale,
-                                      output, max_query_len, max_seq_len, quant)
+    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn)
+    if by_flash and heads.num_retrieval:
+        retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, block_table, scale,
+                                  output, max_query_len, max_seq_len, quant,
+                                  num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0)
+    if max_query_len > 1:  # with FlashAttention, every request's streaming heads; else the multi-token requests
         prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                          streaming_only=True, ring_cache=ring_cache, quant=quant)
-    else:
-        if max_query_len > 1:
-            prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale,
-                              output, min_query_len=2, ring_cache=ring_cache, quant=quant)
+                          min_query_len=1 if by_flash else 2, streaming_only=by_flash, ring_cache=ring_cache,
+                          quant=quant)
+    if max_query_len == 1 or not by_flash:
         decode_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                         max_num_splits, ring_cache=ring_cache, quant=quant)
+                         max_num_splits, ring_cache=ring_cache, quant=quant, streaming_only=by_flash)
     if heads.num_streaming:
         write_streaming_kv(key, value, ring_cache, heads.streaming_kv, query_start_loc, seq_lens, block_table,
                            heads.sink, heads.recent, heads.ring_offset, quant)
@@ -71,6 +73,9 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
+# Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
+# graphs): its own choice per call would size buffers at capture time that a replay cannot change.
+FLASH_MAX_SPLITS = 32
 
 
 @functools.cache
@@ -89,14 +94,14 @@ def flash_attn_varlen():
 def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                               scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int,
-                              quant: KVQuant | None = None) -> None:
+                              quant: KVQuant | None = None, num_splits: int = 0) -> None:
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and the
     retrieval pages start at column E of the block table; the query heads are gathered and the
     result scattered back, since FlashAttention wants them contiguous. On an fp8 cache the queries
     are quantized by the layer's q scale and FlashAttention descales q, k and v, as vLLM's dense
-    FLASH_ATTN backend does.
+    FLASH_ATTN backend does. `num_splits` 0 lets FlashAttention choose its KV splits.
     """
     R = heads.num_retrieval
     q = query[:, heads.retrieval_q]
@@ -112,5 +117,5 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
-                block_table=block_table[:, heads.streaming_blocks:], **descales)
+                block_table=block_table[:, heads.streaming_blocks:], num_splits=num_splits, **descales)
     output[:, heads.retrieval_q] = out.to(output.dtype)

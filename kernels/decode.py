@@ -28,11 +28,11 @@ def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPL
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "streaming_blocks", "ring_offset", "page_heads",
-                               "sink", "recent"])
+                               "sink", "recent", "first_program"])
 def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr,
                    v_scale_ptr, qk_scale,
-                   num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads, sink, recent,
+                   num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads, sink, recent, first_program,
                    stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
                    stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                    stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
@@ -41,13 +41,15 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, 
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
                    MIN_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr):
-    """Grid (num_reqs, R * MAX_SPLITS + S); requests whose query length is not 1 exit at once.
+    """Grid (num_reqs, R * MAX_SPLITS + S - first_program); requests whose query length is not 1 exit at once.
+
+    Programs before `first_program` are not launched: R * MAX_SPLITS of them leaves the streaming heads only.
 
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output
     (split results too: the merge is linear) the v scale.
     """
     req = tl.program_id(0)
-    pid = tl.program_id(1)
+    pid = tl.program_id(1) + first_program
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
@@ -146,7 +148,8 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                      heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      block_table: torch.Tensor, scale: float, output: torch.Tensor, max_num_splits: int,
-                     ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
+                     ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
+                     streaming_only: bool = False) -> None:
     """Duo attention of every request with exactly one new token; other requests are left untouched.
 
     The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
@@ -161,13 +164,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 skips the merge.
         ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
+        streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
     """
     ring_cache = check_attention(query, key, value, output, cache, ring_cache, heads.recent, heads.num_streaming > 0,
                                  query_start_loc, seq_lens, block_table)
     num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
-    if query.shape[0] == 0 or num_reqs == 0 or R + S == 0:
+    if query.shape[0] == 0 or num_reqs == 0 or S + (0 if streaming_only else R) == 0:
         return
-    splits = max_num_splits if R else 1
+    splits = max_num_splits if R and not streaming_only else 1
+    first_program = R if streaming_only else 0
     head_dim, G = cache.shape[-1], heads.group_size
     block_d = triton.next_power_of_2(head_dim)
     # keys per tile: a multiple of the 16-token block; 32 for head_dim 256 (64 spills registers at 4 warps);
@@ -178,10 +183,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if splits > 1:
         part_out = torch.empty(num_reqs, R * G, splits, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, R * G, splits, dtype=torch.float32, device=cache.device)
-    _decode_kernel[(num_reqs, R * splits + S)](
+    _decode_kernel[(num_reqs, R * splits + S - first_program)](
         query, key, value, cache, ring_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
         query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
-        R, S, heads.streaming_blocks, heads.ring_offset, ring_cache.shape[3], heads.sink, heads.recent,
+        R, S, heads.streaming_blocks, heads.ring_offset, ring_cache.shape[3], heads.sink, heads.recent, first_program,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),

@@ -39,15 +39,16 @@ def test_cuda_graphs_equal_eager(model, tmp_path):
 
 
 # fp8 KV (e4m3): bounds as on the CPU stack (tests/test_fp8.py), in units of what fp8 does to FLASH_ATTN itself.
+# The 50% run uses the bundled trained pattern: with random gates the model is already far off (1.15 nats per token
+# from dense on the CPU stack) and fp8 noise moves it 2.4x as much as dense, on the CPU stack as on the H100.
 ALL_RETRIEVAL_BOUND, FP8_COST_RATIO = 0.6, 1.25
 
 
 @pytest.fixture(scope="module")
 def fp8_runs(model, tmp_path_factory):
     """FLASH_ATTN and duo (all retrieval; 50%) at bf16 and fp8 KV, each engine run once."""
-    pattern = random_pattern(tmp_path_factory.mktemp("fp8") / "p.json")
-    all_retrieval = {"pattern": pattern, "sparsity": 0.0}
-    half = {"pattern": pattern, "sparsity": 0.5, "sink": 16, "recent": 64}
+    all_retrieval = {"pattern": random_pattern(tmp_path_factory.mktemp("fp8") / "p.json"), "sparsity": 0.0}
+    half = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
     runs = {}
     for name, backend, duo, kv in (("dense", "FLASH_ATTN", None, "auto"), ("dense fp8", "FLASH_ATTN", None, "fp8"),
                                    ("duo0 fp8", "duo", all_retrieval, "fp8"), ("duo50", "duo", half, "auto"),

@@ -248,6 +248,25 @@ def test_prefill_kernel_streaming_only(name):
     assert out[:, case.heads.retrieval_q].isnan().all()
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_decode_kernel_streaming_only(name):
+    """With the retrieval heads left to FlashAttention (fp8 pages), decode writes the streaming heads of single-token
+    requests and nothing else."""
+    case = make_case(PRESETS[name])
+    rows = decode_rows(case)
+    if rows.numel() == 0 or case.heads.num_streaming == 0:
+        pytest.skip("no decode request or no streaming head")
+    ref, _ = case.reference()
+    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
+    decode_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                     case.scale, out, 3, ring_cache=ring, streaming_only=True)
+    streaming_q = case.heads.streaming_q
+    assert_close(out[rows][:, streaming_q], ref[rows][:, streaming_q], torch.float32)
+    written = torch.zeros_like(out, dtype=torch.bool)
+    written[rows[:, None], streaming_q[None, :]] = True
+    assert out[~written].isnan().all(), "decode wrote retrieval heads or rows of multi-token requests"
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", PRESETS)
 def test_decode_kernel(name, splits):
@@ -428,12 +447,11 @@ def cuda_scales() -> KVQuant:
 
 
 def with_flash_fp8_queries(case: Case) -> Case:
-    """The case as FlashAttention-3's fp8 prefill sees it: on an e4m3 cache the retrieval heads of a batch with a
-    prefill get fp8 queries (q / q_scale, rounded), as in vLLM's dense FLASH_ATTN."""
+    """The case as FlashAttention-3 sees it: on an e4m3 cache it takes the retrieval heads (prefill and decode) with
+    fp8 queries (q / q_scale, rounded), as vLLM's dense FLASH_ATTN does."""
     from vllm_duo.kernels.attention import flash_attn_varlen
 
-    lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
-    if case.cache.dtype != torch.float8_e4m3fn or max(lens) == 1 or flash_attn_varlen() is None:
+    if case.cache.dtype != torch.float8_e4m3fn or flash_attn_varlen() is None:
         return case
     q, rq, q_scale = case.query.clone(), case.heads.retrieval_q, case.quant.q_scale
     q[:, rq] = (quantize(q[:, rq], q_scale, torch.float8_e4m3fn).float() * q_scale).to(q.dtype)
@@ -484,6 +502,6 @@ def test_decode_cuda_graph(kv_dtype):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, ref_caches = case.reference()  # case.cache is the state before the step
+        ref, ref_caches = with_flash_fp8_queries(case).reference()  # case.cache is the state before the step
         assert_close(out, ref, torch.bfloat16)
         assert_caches_equal((cache,), ref_caches[:1])
