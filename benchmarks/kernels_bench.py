@@ -410,8 +410,8 @@ def main():
 
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
-    name = "kernels_bench_fp8.json" if "--fp8" in sys.argv else "kernels_bench.json"
-    (target / name).write_text(json.dumps(out_json, indent=2))
+    result_file = target / ("kernels_bench_fp8.json" if "--fp8" in sys.argv else "kernels_bench.json")
+    result_file.write_text(json.dumps(out_json, indent=2))
 
     print(f"\n{props.name}, {props.multi_processor_count} SMs, triton {triton.__version__}; copy {copy_tbps:.2f} TB/s, "
           f"nominal {nominal} TB/s; FA: {fa_note or f'FA{fa.version}'}")
@@ -427,7 +427,7 @@ def main():
         pct = f"{100 * gbps / (nominal * 1e3):8.1f}%" if gbps == gbps else ""
         bw = f"{gbps:8.0f}" if gbps == gbps else ""
         print(f"{case:<13} {name:<52} {t:9.3f} {bw:>8} {pct:>9}")
-    print(f"wrote {target / name} ({out_json['wall_s']:.0f} s)")
+    print(f"wrote {result_file} ({out_json['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's OpenAI-compatible server with duo: conformance, load with preemption and disconnects, bad input.
 
-One real server on 127.0.0.1 (SmolLM2, float32, duo at sparsity 0.5) for the module, with a KV cache of
+One real server on 127.0.0.1 (SmolLM2, float32, duo at sparsity 0.5) per KV cache dtype (the model's, and fp8:
+`--kv-cache-dtype fp8`), each for all the module's server tests, with a KV cache of
 NUM_BLOCKS 16-token blocks. Each request holds its streaming ring (30 blocks) plus a block
 per 16 tokens, and `--long-prefill-token-threshold` admits a prompt with its first 64 tokens only: vLLM fills
 the cache with partly prefilled requests that then outgrow it, so it must preempt under load. Bad duo settings
@@ -150,6 +151,7 @@ class Server:
     port: int
     process: subprocess.Popen
     log: Path
+    kv_cache_dtype: str
 
     @property
     def base_url(self) -> str:
@@ -175,17 +177,17 @@ class Server:
         return AsyncOpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["auto", "fp8"])
+def server(request, smollm2_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = server_command(smollm2_dir, port, DUO, "--num-gpu-blocks-override", str(NUM_BLOCKS),
                              "--max-num-seqs", str(MAX_NUM_SEQS), "--long-prefill-token-threshold", str(PREFILL_CHUNK),
-                             "--disable-uvicorn-access-log")
+                             "--disable-uvicorn-access-log", "--kv-cache-dtype", request.param)
     with log.open("w") as sink:
         process = subprocess.Popen(command, env=server_env(), stdout=sink, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    running = Server(port, process, log)
+    running = Server(port, process, log, request.param)
     try:
         deadline = time.time() + STARTUP_TIMEOUT
         while http_get_status(port, "/health") != 200:
@@ -212,13 +214,19 @@ def text_tokens(server: Server, text: str) -> list[int]:
         return json.load(response)["tokens"]
 
 
+STARTUP_MEMORY_LINE = {  # per KV cache dtype: float32 KV (the model's) and fp8
+    # dense 2 * 30 layers * 3 heads * 64 * 4 bytes per token; duo keeps 45 of the 90 heads per token and (64 + 256)
+    # tokens of the other 45 per request. The paged figure is vLLM's "Maximum concurrency" ratio.
+    "auto": "duo: KV per token dense 45 KiB vs duo 22.5 KiB + 7.031 MiB streaming ring per request (4-byte KV); ",
+    "fp8": "duo: KV per token dense 11.25 KiB vs duo 5.625 KiB + 1.758 MiB streaming ring per request (1-byte KV); ",
+}
+
+
 def test_startup_log_states_duo_plan_and_memory(server):
     log = server.log.read_text()
     assert "duo: pattern bundled pattern SmolLM2-135M-Instruct; retrieval ratio 0.500" in log
-    # float32 KV: dense 2 * 30 layers * 3 heads * 64 * 4 bytes per token; duo keeps 45 of the 90 heads per token and
-    # (64 + 256) tokens of the other 45 per request. The paged figure is vLLM's "Maximum concurrency" ratio.
-    assert ("duo: KV per token dense 45 KiB vs duo 22.5 KiB + 7.031 MiB streaming ring per request (4-byte KV); "
-            "expected capacity at max_model_len 2048: 1.73x dense ideally, 1.72x in duo's 16-token pages") in log
+    assert (STARTUP_MEMORY_LINE[server.kv_cache_dtype] + "expected capacity at max_model_len 2048: 1.73x dense "
+            "ideally, 1.72x in duo's 16-token pages") in log
     assert "Overriding num_gpu_blocks=" in log and f"num_gpu_blocks_override={NUM_BLOCKS}" in log
 
 
