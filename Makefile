@@ -16,10 +16,10 @@ $(VENV)/.ready: setup.py
 	touch $@
 
 model: $(VENV)/.ready
-	$(PY) -m vllm_duo.smollm2
+	$(PY) -m vllm_duo.tools.smollm2
 
 run: model
-	HF_HUB_OFFLINE=1 $(PY) -m vllm_duo.quickstart
+	HF_HUB_OFFLINE=1 $(PY) -m vllm_duo.tools.quickstart
 
 test: model
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests

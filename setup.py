@@ -7,7 +7,8 @@ setup(
     version="0.1.0",
     description="DuoAttention-style long-context serving as a vLLM attention backend plugin",
     python_requires=">=3.10",
-    packages=["vllm_duo", "vllm_duo.kernels", "vllm_duo.patterns"],
+    packages=["vllm_duo", "vllm_duo.kernels", "vllm_duo.patterns", "vllm_duo.tools", "vllm_duo.tools.bench",
+              "vllm_duo.tools.accuracy"],
     package_dir={"vllm_duo": "vllm_duo", "vllm_duo.kernels": "kernels", "vllm_duo.patterns": "patterns"},
     package_data={"vllm_duo.patterns": ["*.json", "LICENSE*", "README.md"]},
     install_requires=["pydantic>=2", "numpy", "tqdm", "matplotlib"],
@@ -19,6 +20,6 @@ setup(
     entry_points={
         "vllm.general_plugins": ["duo = vllm_duo.plugin:register"],
         "vllm.platform_plugins": ["duo = vllm_duo.platforms:activate"],
-        "console_scripts": ["vllm-duo = vllm_duo.cli:main"],
+        "console_scripts": ["vllm-duo = vllm_duo.tools.cli:main"],
     },
 )

@@ -8,7 +8,7 @@ WORK=/tmp/duo-work; mkdir -p $WORK   # many files: each stage tars its folder in
 DEADLINE=${DEADLINE:-570}  # seconds of this script that bench parts may use (a device command stops at 600)
 bench() {  # bench NAME ARGS...: vllm-duo bench, dense vs duo, Llama-3.1-8B shape with dummy weights, into $WORK/NAME
   local name=$1; shift
-  timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
+  timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
     --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5 --timeout 420 --out $WORK/$name "$@" 2>&1 | tail -14
   tar czf "$OUT/$name.tgz" -C $WORK "$name"
 }
@@ -46,7 +46,7 @@ for stage in "$@"; do
       # of the warm machine continues it (0.57 s/step on an H100: 2000 steps take 3 calls). The pattern stays there
       # for the eval stage ($OUT is new each call).
       mkdir -p $WORK/identify
-      timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
+      timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
         --checkpoint $WORK/identify/state.pt --time-limit $((DEADLINE - SECONDS - 60)) \
         -o $WORK/identify/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
         --alias HuggingFaceTB/SmolLM2-135M-Instruct --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' \
@@ -55,7 +55,7 @@ for stage in "$@"; do
       cp $WORK/identify/identify.log "$OUT/"; cp $WORK/identify/*.json "$OUT/" 2>/dev/null ;;
     eval)  # passkey eval through vLLM on SmolLM2 (issue 8): EVAL_PATTERN (default: the identify stage's), EVAL_ARGS
       name=eval-${EVAL_NAME:-trained}
-      timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.cli eval --model /tmp/smol --no-progress \
+      timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli eval --model /tmp/smol --no-progress \
         --pattern ${EVAL_PATTERN:-$WORK/identify/SmolLM2-135M-Instruct.json} --out $WORK/$name ${EVAL_ARGS:-} 2>&1 \
         | tee "$OUT/$name.log" | tail -20
       tar czf "$OUT/$name.tgz" -C $WORK "$name" ;;

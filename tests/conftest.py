@@ -30,6 +30,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from vllm_duo import smollm2
+    from vllm_duo.tools import smollm2
 
     return str(smollm2.prepare())

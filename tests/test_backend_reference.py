@@ -22,7 +22,7 @@ ATOL = 2e-3  # float32 on both sides; summation order differs
 
 def pattern_file(kind: str, directory) -> str:
     from vllm_duo.pattern import HeadPattern
-    from vllm_duo.zigzag import zigzag_pattern
+    from vllm_duo.tools.zigzag import zigzag_pattern
 
     path = random_pattern(directory / "head_level.json", seed=1, sink=SINK, recent=RECENT)
     if kind == "head_level":

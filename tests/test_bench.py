@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from engines import random_pattern
-from vllm_duo import bench, bench_report, cli
+from vllm_duo.tools import cli
+from vllm_duo.tools.bench import logs, offline, roofline, workloads
+from vllm_duo.tools.bench import report as bench_report
+from vllm_duo.tools.bench.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 14336,
@@ -145,7 +148,7 @@ def test_only_runs_one_part_of_the_suite(tmp_path, capsys, only, dense_runs, duo
 
 
 def test_zigzag_patterns_are_written_layer_exclusive(tmp_path):
-    settings = bench.Settings(model="/models/llama8b", tokenizer=None, load_format="dummy",
+    settings = Settings(model="/models/llama8b", tokenizer=None, load_format="dummy",
                               pattern="Meta-Llama-3.1-8B-Instruct", sparsity=[0.5], capacity_sparsity=[0.5],
                               zigzag_sparsity=[0.25, 0.5], sink=64, recent=256, workloads=[], extra_dense_backends=[],
                               engine_args=[], out=tmp_path, timeout=60)
@@ -157,7 +160,7 @@ def test_zigzag_patterns_are_written_layer_exclusive(tmp_path):
         assert all(len(set(row)) == 1 for row in rows)  # each layer all retrieval or all streaming
         assert sum(row[0] == 0 for row in rows) == streaming_layers
     without_pattern = dataclasses.replace(settings, pattern=None)
-    with pytest.raises(bench.BenchError, match="--zigzag-sparsity needs --pattern"):
+    with pytest.raises(workloads.BenchError, match="--zigzag-sparsity needs --pattern"):
         without_pattern.write_zigzag_patterns()
 
 
@@ -168,15 +171,15 @@ def test_startup_figures_from_a_log():
         "(EngineCore pid=1) INFO [kv_cache_utils.py:1] GPU KV cache size: 457,288 tokens",
         "(EngineCore pid=1) INFO [kv_cache_utils.py:2] Maximum concurrency for 17,000 tokens per request: 26.90x",
         "Throughput: 0.93 requests/s, 15877.00 total tokens/s, 492.30 output tokens/s"])
-    figures = bench.startup_figures(log)
+    figures = logs.startup_figures(log)
     assert figures["kv_cache_tokens"] == 457288 and figures["max_concurrency"] == 26.9
     assert figures["max_concurrency_len"] == 17000 and figures["retrieval_ratio"] == 0.469
     assert figures["dtype"] == "float16" and figures["duo_log"][0].startswith("duo: pattern")
-    workload = bench.WORKLOADS["prefill_heavy"]
+    workload = workloads.WORKLOADS["prefill_heavy"]
     raw = {"elapsed_time": 34.0, "num_requests": 32, "total_num_tokens": 528384, "requests_per_second": 0.94,
            "tokens_per_second": 15540.7}
-    assert bench.throughput_metrics(raw, log, workload)["output_tok_s"] == 492.3
-    assert bench.throughput_metrics(raw, "", workload)["output_tok_s"] == pytest.approx(32 * 512 / 34.0)
+    assert logs.throughput_metrics(raw, log, workload)["output_tok_s"] == 492.3
+    assert logs.throughput_metrics(raw, "", workload)["output_tok_s"] == pytest.approx(32 * 512 / 34.0)
 
 
 def _stats_line(clock: str, running: int, waiting: int, kv: float, extra: str = "") -> str:
@@ -193,28 +196,28 @@ SERVER_STATS = (("05:51:43", 3, 0, 10.5, ""),  # the first client's last 10 s
 
 def test_engine_timeline_keeps_the_stats_lines_of_one_client():
     log = "\n".join([_stats_line(*row) for row in SERVER_STATS] + ["INFO 11-24 05:52:40 [api_server.py:1] GET /metrics"])
-    samples = bench.engine_timeline(log, "2026-11-24T05:51:40+00:00", "2026-11-24T05:53:00+00:00")
+    samples = logs.engine_timeline(log, "2026-11-24T05:51:40+00:00", "2026-11-24T05:53:00+00:00")
     assert [(s.seconds, s.running, s.waiting, s.kv_usage_pct) for s in samples] == [
         (53.0, 10, 0, 34.8), (63.0, 28, 10, 98.1), (73.0, 27, 0, 94.8)]
     assert samples[0].prompt_tok_s == 16000.0 and samples[0].generation_tok_s == 500.0
 
 
 def test_workload_overrides():
-    chosen = bench.apply_overrides(bench.parse_workloads(["short", "serve_16k"]), ["short=3000"],
+    chosen = workloads.apply_overrides(workloads.parse_workloads(["short", "serve_16k"]), ["short=3000"],
                                    ["short.num_prompts=64", "serve_16k.request_rates=1,inf"])
     assert chosen[0].max_model_len == 3000 and chosen[0].num_prompts == 64
     assert chosen[1].request_rates == (1.0, float("inf"))
-    assert [w.name for w in bench.parse_workloads(["all"])] == list(bench.GPU_WORKLOADS)
+    assert [w.name for w in workloads.parse_workloads(["all"])] == list(workloads.GPU_WORKLOADS)
     for bad in (["short.kind=latency"], ["short.num_prompts=many"], ["decode_heavy.num_prompts=2"]):
-        with pytest.raises(bench.BenchError):
-            bench.apply_overrides(bench.parse_workloads(["short"]), [], bad)
+        with pytest.raises(workloads.BenchError):
+            workloads.apply_overrides(workloads.parse_workloads(["short"]), [], bad)
     with pytest.raises(SystemExit) as stopped:
         cli.main(["bench", "--workloads", "nope", "--dry-run"])
     assert stopped.value.code == 2
 
 
 def test_failed_runs_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch, subprocess_env):
-    monkeypatch.setattr(bench, "vllm_cli", lambda: [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+    monkeypatch.setattr(offline, "vllm_cli", lambda: [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
     out = tmp_path / "results"
     assert cli.main(["bench", "--workloads", "tiny", "--model", str(tmp_path), "--sparsity", "0.25", "0.5",
                      "--out", str(out)]) == 0
@@ -228,10 +231,10 @@ def test_failed_runs_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch, s
 SLEEPER = """
 import sys
 from pathlib import Path
-from vllm_duo import bench
-bench.stop_runs_on_sigterm()
-bench.run_logged([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"],
-                 Path(sys.argv[1]), timeout=120)
+from vllm_duo.tools.processes import run_logged, stop_runs_on_sigterm
+stop_runs_on_sigterm()
+run_logged([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"],
+           Path(sys.argv[1]), timeout=120)
 """
 
 
@@ -250,7 +253,7 @@ def test_sigterm_stops_the_run_in_flight(tmp_path):
 
 
 def _run(workload, backend, phase="main", **fields):
-    spec = bench.WORKLOADS[workload]
+    spec = workloads.WORKLOADS[workload]
     duo_kind = backend.startswith(("duo", "zigzag"))
     run = {"workload": workload, "kind": spec.kind, "backend": backend, "phase": phase, "status": "ok",
            "attention_backend": "duo" if duo_kind else None, "layer_exclusive": backend.startswith("zigzag"),
@@ -293,7 +296,7 @@ def test_report_tables_limits_and_plots(tmp_path):
                                   ("duo s=0.5", 65536, 12.0))),
     ]
     results = {"device": "NVIDIA H100 80GB HBM3", "model_shape": LLAMA_8B, "runs": runs,
-               "workloads": {name: dict(vars(bench.WORKLOADS[name])) for name in
+               "workloads": {name: dict(vars(workloads.WORKLOADS[name])) for name in
                              ("capacity", "prefill_heavy", "short", "tpot_64k", "serve_16k", "tpot_sweep")}}
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "serve_16k__dense__server.log").write_text("\n".join(_stats_line(*r) for r in SERVER_STATS))
@@ -316,10 +319,10 @@ def test_report_tables_limits_and_plots(tmp_path):
                  "maximum_concurrency_vs_sparsity.png", "requests_running_and_waiting_while_serving.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 0
 
-    shape = bench_report.ModelShape(**LLAMA_8B)
+    shape = roofline.ModelShape(**LLAMA_8B)
     assert shape.matmul_params == pytest.approx(7.5e9, rel=0.01)
-    dense, duo = (bench_report.Roofline(shape, 989e12, 3.35e12),
-                  bench_report.Roofline(shape, 989e12, 3.35e12, retrieval=0.5, window=320))
+    dense, duo = (roofline.Roofline(shape, 989e12, 3.35e12),
+                  roofline.Roofline(shape, 989e12, 3.35e12, retrieval=0.5, window=320))
     assert duo.prefill_s(512) == pytest.approx(dense.prefill_s(512), rel=0.02)  # all inside the window
     assert dense.step_s(32, 32768) / duo.step_s(32, 32768) > 1.5  # KV-bound decode: half the KV read
 
@@ -346,7 +349,7 @@ def test_report_takes_each_ratio_against_dense_at_the_same_kv_dtype(tmp_path):
             _run("decode_heavy", "dense fp8", kv_cache_dtype="fp8", metrics={"output_tok_s": 1200.0}),
             _run("decode_heavy", "duo s=0.5 fp8", kv_cache_dtype="fp8", metrics={"output_tok_s": 1800.0})]
     results = {"device": "NVIDIA H100 80GB HBM3", "model_shape": LLAMA_8B, "runs": runs,
-               "workloads": {name: dict(vars(bench.WORKLOADS[name])) for name in ("capacity", "decode_heavy")}}
+               "workloads": {name: dict(vars(workloads.WORKLOADS[name])) for name in ("capacity", "decode_heavy")}}
     report = bench_report.markdown(results, tmp_path, plots=False)
     # capacity: 13.9 / 7.0 against dense fp8, 13.9 / 3.5 against dense with the model's dtype
     assert "| duo/dense | vs dense with the model's KV dtype |" in report
@@ -355,4 +358,5 @@ def test_report_takes_each_ratio_against_dense_at_the_same_kv_dtype(tmp_path):
     assert "| duo s=0.5 fp8 | 1,800.0 | - | - | 1.50x |" in report  # 1800 / 1200, not / 800
     assert "| dense fp8 | 1,200.0 | - | - | - |" in report
     summary = bench_report.summary(results, tmp_path)
-    assert "duo s=0.5 fp8 1,800.00 out tok/s (1.50x dense fp8)" in summary
+    row = next(line for line in summary.splitlines() if line.startswith("decode_heavy") and "duo s=0.5 fp8" in line)
+    assert row.split() == ["decode_heavy", "duo", "s=0.5", "fp8", "1,800.00", "out", "tok/s", "1.50x", "dense", "fp8"]

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from vllm_duo import cli, evaluate
+from vllm_duo.tools import cli
+from vllm_duo.tools.accuracy import eval_report, evaluate
 
 
 def test_streaming_window_matches_the_duo_budget():
@@ -28,7 +29,7 @@ PAIRED_CASES = [
 def test_paired_difference_with_full_attention(full, method, lost, gained, interval):
     records = [{"method": name, "context_len": 1000, "depth": 0.5, "sample": i, "correct": correct}
                for name, answers in (("full", full), ("duo50", method)) for i, correct in enumerate(answers)]
-    got = evaluate.paired_with_full(records, "full", "duo50")
+    got = eval_report.paired_with_full(records, "full", "duo50")
     assert got[:3] == (lost, gained, len(full))
     assert got[3:] == pytest.approx(interval, abs=0.01)
 

@@ -7,11 +7,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
-from vllm_duo import cli, identify, pattern_report
 from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
+from vllm_duo.tools import cli, pattern_commands
+from vllm_duo.tools.accuracy import identify, training
+from vllm_duo.tools.accuracy.passkey import ORDINAL_NEEDLE, multi_passkey_prompt
 
-SETTINGS = identify.IdentifySettings(steps=3, context_len=256, sink=8, recent=32, passkeys=2, seed=0)
+SETTINGS = training.IdentifySettings(steps=3, context_len=256, sink=8, recent=32, passkeys=2, seed=0)
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +27,8 @@ def one_thread():
 
 
 def test_prompt_puts_every_needle_out_of_the_streaming_window(smollm2_dir):
-    trainer_tokenizer = identify.AutoTokenizer.from_pretrained(smollm2_dir)
-    sample = identify.multi_passkey_prompt(trainer_tokenizer, 512, random.Random(0), 3, sink=8, recent=32)
+    trainer_tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    sample = multi_passkey_prompt(trainer_tokenizer, 512, random.Random(0), 3, sink=8, recent=32)
     assert len(sample.input_ids) <= 512 and len(set(sample.passkeys)) == 3
     first_question = sample.supervised[0]
     assert sample.supervised == list(range(first_question, len(sample.input_ids)))
@@ -34,20 +37,20 @@ def test_prompt_puts_every_needle_out_of_the_streaming_window(smollm2_dir):
         assert passkey in needle and start >= 8
     qa = trainer_tokenizer.decode(sample.input_ids[first_question:])
     assert all(passkey in qa for passkey in sample.passkeys)
-    last_needle_end = sample.needle_starts[-1] + len(trainer_tokenizer(" " + identify.NEEDLE.format(
+    last_needle_end = sample.needle_starts[-1] + len(trainer_tokenizer(" " + ORDINAL_NEEDLE.format(
         ordinal="third", passkey=sample.passkeys[-1]), add_special_tokens=False).input_ids)
     assert last_needle_end <= first_question - 32
 
 
 def test_schedule_is_the_reference_trapezoid():
-    factors = [identify.lr_factor(step, 100) for step in range(100)]
+    factors = [training.lr_factor(step, 100) for step in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[19] == 1.0 and factors[50] == 1.0
     assert factors[-1] == pytest.approx(0.1) and factors[90] == pytest.approx(0.5)
-    assert [identify.lr_factor(step, 3) for step in range(3)] == [1.0, 1.0, 1.0]
+    assert [training.lr_factor(step, 3) for step in range(3)] == [1.0, 1.0, 1.0]
 
 
 def test_only_the_gates_train_and_stay_in_range(smollm2_dir, tmp_path):
-    trainer = identify.GateTrainer(smollm2_dir, SETTINGS)
+    trainer = training.GateTrainer(smollm2_dir, SETTINGS)
     frozen = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "duo_gate" not in name}
     history = [trainer.step(step) for step in range(SETTINGS.steps)]
 
@@ -65,7 +68,7 @@ def test_only_the_gates_train_and_stay_in_range(smollm2_dir, tmp_path):
             assert not param.requires_grad and param.grad is None
             assert torch.equal(param, frozen[name]), name
 
-    result = identify.TrainResult(gates=gates, history=history, wall_s=1.0)
+    result = training.TrainResult(gates=gates, history=history, wall_s=1.0)
     pattern = identify.build_pattern(smollm2_dir, SETTINGS, result, date="2026-11-23")
     pattern.check_model(*shape)
     path = tmp_path / "trained.json"
@@ -73,7 +76,7 @@ def test_only_the_gates_train_and_stay_in_range(smollm2_dir, tmp_path):
     loaded = HeadPattern.load(path)
     assert np.allclose(loaded.gates, gates, atol=1e-6) and (loaded.sink, loaded.recent) == (64, 256)
     assert "reg_weight 0.05" in loaded.provenance.method and "final loss" in loaded.provenance.notes
-    assert "45 of 90" in pattern_report.show(str(path), None, 8192, str(tmp_path / "gates.png"))
+    assert "45 of 90" in pattern_commands.show(str(path), None, 8192, str(tmp_path / "gates.png"))
     assert (tmp_path / "gates.png").stat().st_size > 0
 
 
@@ -90,19 +93,19 @@ def test_cli_writes_a_valid_pattern(smollm2_dir, tmp_path, capsys):
 
 def test_a_stopped_run_continues_to_the_gates_of_an_uninterrupted_one(smollm2_dir, tmp_path):
     """A device command's time limit stops identify with its state saved; running it again finishes the same run."""
-    straight = identify.train(smollm2_dir, SETTINGS, progress=False)
+    straight = training.train(smollm2_dir, SETTINGS, progress=False)
     checkpoint, out = tmp_path / "state.pt", tmp_path / "p.json"
     with pytest.raises(PatternError, match="needs a checkpoint"):
         identify.identify(smollm2_dir, out, SETTINGS, progress=False, time_limit=60)
     message = identify.identify(smollm2_dir, out, SETTINGS, progress=False, checkpoint=checkpoint, time_limit=0)
     assert message.startswith(f"stopped at step 1 of {SETTINGS.steps}") and not out.exists()
 
-    resumed = identify.train(smollm2_dir, SETTINGS, progress=False, checkpoint=checkpoint)
-    assert identify.checkpoint_steps(checkpoint) == SETTINGS.steps == len(resumed.history)
+    resumed = training.train(smollm2_dir, SETTINGS, progress=False, checkpoint=checkpoint)
+    assert training.checkpoint_steps(checkpoint) == SETTINGS.steps == len(resumed.history)
     assert np.array_equal(resumed.gates, straight.gates)
     assert [s.loss for s in resumed.history] == [s.loss for s in straight.history]
     assert "wrote" in identify.identify(smollm2_dir, out, SETTINGS, progress=False, checkpoint=checkpoint)
     assert np.allclose(HeadPattern.load(out).gates, straight.gates, atol=1e-6)  # the file keeps 6 decimals
 
     with pytest.raises(PatternError, match=r"other settings \(lr\)"):
-        identify.train(smollm2_dir, dataclasses.replace(SETTINGS, lr=0.01), progress=False, checkpoint=checkpoint)
+        training.train(smollm2_dir, dataclasses.replace(SETTINGS, lr=0.01), progress=False, checkpoint=checkpoint)

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_duo.cli import main
-from vllm_duo.pattern import (HeadPattern, PatternError, bundled_patterns, find_bundled, kv_footprint,
+from vllm_duo.pattern import (HeadPattern, PatternError, bundled_patterns, find_bundled, pattern_from_reference_dir,
                               read_hf_config, resolve_pattern)
+from vllm_duo.tools.cli import main
+from vllm_duo.tools.pattern_commands import kv_footprint
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = REPO.parent / "shared" / "reference-patterns"
@@ -235,7 +236,7 @@ def test_kv_footprint():
 @pytest.mark.parametrize("path", REFERENCE_SHIPPED, ids=[path.stem for path in REFERENCE_SHIPPED])
 def test_reference_import_equals_shipped(path):
     shipped = HeadPattern.load(path)
-    imported = HeadPattern.from_reference_dir(REFERENCE_DIR / path.stem)
+    imported = pattern_from_reference_dir(REFERENCE_DIR / path.stem)
     assert imported.gates == shipped.gates
     assert imported.model.model_dump(exclude={"aliases"}) == shipped.model.model_dump(exclude={"aliases"})
     assert (imported.sink, imported.recent) == (64, 256)
@@ -247,13 +248,13 @@ def test_reference_import_needs_shape_for_unknown_model(tmp_path):
     folder = tmp_path / "my-run"
     shutil.copytree(REFERENCE_DIR / "Mistral-7B-Instruct-v0.3", folder)
     with pytest.raises(PatternError, match="architecture and head_dim"):
-        HeadPattern.from_reference_dir(folder)
-    from_args = HeadPattern.from_reference_dir(folder, architecture="MistralForCausalLM", head_dim=128)
-    from_config = HeadPattern.from_reference_dir(folder, model_config=write_hf_config(tmp_path / "model"))
+        pattern_from_reference_dir(folder)
+    from_args = pattern_from_reference_dir(folder, architecture="MistralForCausalLM", head_dim=128)
+    from_config = pattern_from_reference_dir(folder, model_config=write_hf_config(tmp_path / "model"))
     assert from_args.model.name == "my-run"
     assert from_config.model.architecture == "LlamaForCausalLM"
     with pytest.raises(PatternError, match="30 x 8"):
-        HeadPattern.from_reference_dir(folder, model_config=write_hf_config(tmp_path / "other", num_layers=30))
+        pattern_from_reference_dir(folder, model_config=write_hf_config(tmp_path / "other", num_layers=30))
 
 
 def test_read_hf_config_defaults(tmp_path):

@@ -5,8 +5,9 @@ import random
 import numpy as np
 from transformers import AutoTokenizer
 
-from vllm_duo import scoring, smollm2
 from vllm_duo.pattern import HeadPattern, read_hf_config
+from vllm_duo.tools import smollm2
+from vllm_duo.tools.accuracy import passkey, scoring
 
 
 def test_score_heads_tiny_run_is_deterministic_and_makes_a_valid_pattern():
@@ -20,7 +21,7 @@ def test_score_heads_tiny_run_is_deterministic_and_makes_a_valid_pattern():
     assert np.array_equal(scores, scoring.score_heads(model_dir, **options))
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompt = scoring.passkey_prompt(tokenizer, 300, random.Random(0), 0.5, sink=8, recent=32)
+    prompt = passkey.passkey_prompt(tokenizer, 300, random.Random(0), 0.5, sink=8, recent=32)
     assert len(prompt.input_ids) <= 300
     assert tokenizer.decode(prompt.input_ids[prompt.answer_start:]).strip() == prompt.passkey
     assert prompt.passkey in tokenizer.decode(prompt.input_ids[prompt.needle.start:prompt.needle.stop])

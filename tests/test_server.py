@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from engines import text_of_tokens
-from vllm_duo.quickstart import free_port
+from vllm_duo.tools.processes import free_port
 
 MODEL = "smollm2"
 DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}

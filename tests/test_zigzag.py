@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from vllm_duo import zigzag
-from vllm_duo.cli import main
 from vllm_duo.pattern import HeadPattern, PatternError, find_bundled
+from vllm_duo.tools import zigzag
+from vllm_duo.tools.cli import main
 
 SPARSITIES = (0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 1.0)
 OMEGAS = (0.0, 0.1, 0.5, 1.0, 3.0)

@@ -6,7 +6,6 @@ import datetime
 import importlib.resources
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -167,102 +166,6 @@ class HeadPattern(_StrictModel):
         pattern._origin = origin
         return pattern
 
-    @classmethod
-    def from_gates(cls, gates: np.ndarray, model_dir: str | Path, *, name: str | None, aliases: list[str] | tuple[str, ...],
-                   sparsity: float, sink: int, recent: int, source: str, method: str, notes: str | None,
-                   date: str | None = None, license: str | None = None) -> HeadPattern:
-        """A pattern of `gates` [layers, KV heads] for the model folder `model_dir` (shape from its config.json).
-
-        Gates keep 6 decimals: readable JSON, and float noise from thread counts does not change the file.
-        """
-        shape = read_hf_config(model_dir)
-        return cls.model_validate({
-            "schema_version": SCHEMA_VERSION,
-            "model": {"name": name or Path(model_dir).resolve().name, "aliases": list(aliases),
-                      "architecture": shape.architecture, "num_layers": shape.num_layers,
-                      "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
-            "gates": np.round(gates, 6).tolist(),
-            "sparsity": sparsity,
-            "sink": sink,
-            "recent": recent,
-            "provenance": {"source": source, "method": method, "date": date or datetime.date.today().isoformat(),
-                           "license": license, "notes": notes},
-        })
-
-    @classmethod
-    def from_reference_dir(
-        cls,
-        folder: str | Path,
-        name: str | None = None,
-        *,
-        model_config: str | Path | None = None,
-        architecture: str | None = None,
-        head_dim: int | None = None,
-        aliases: list[str] | tuple[str, ...] = (),
-        sink: int = 64,
-        recent: int = 256,
-        sparsity: float = 0.5,
-        source: str | None = None,
-        date: str | None = None,
-        license: str | None = None,
-    ) -> HeadPattern:
-        """Imports a mit-han-lab/duo-attention pattern folder (full_attention_heads.tsv + training config.json).
-
-        The gates are kept (clipped to [0, 1], as the reference loader does) so any sparsity can be chosen later.
-        sink/recent default to 64/256, what the reference deploys for LongBench and NIAH; the training values
-        from config.json (128/256) go to the provenance notes. The folder holds neither the architecture nor
-        head_dim: they come from explicit arguments, else from `model_config` (a Hugging Face config.json or its
-        folder), else from the bundled pattern of the same name. `source` defaults to the training run's
-        output_dir, `date` to the TSV's modification date.
-        """
-        folder = Path(folder)
-        name = name or folder.resolve().name
-        gates_file = folder / REFERENCE_GATES_FILE
-        if not gates_file.is_file():
-            raise PatternError(f"{folder} has no {REFERENCE_GATES_FILE}: point at a duo-attention attn_patterns run")
-        try:
-            gates = np.loadtxt(gates_file, delimiter="\t", ndmin=2)
-        except ValueError as error:
-            raise PatternError(f"{gates_file} is not a tab-separated float matrix ({error}): re-export it") from None
-        training = _read_json_object(folder / REFERENCE_CONFIG_FILE)
-        num_layers, num_kv_heads = gates.shape
-
-        if model_config is not None:
-            shape = read_hf_config(model_config)
-            architecture = architecture or shape.architecture
-            head_dim = head_dim or shape.head_dim
-            if (shape.num_layers, shape.num_kv_heads) != (num_layers, num_kv_heads):
-                raise PatternError(
-                    f"{gates_file} is {num_layers} layers x {num_kv_heads} KV heads but model config {model_config} "
-                    f"has {shape.num_layers} x {shape.num_kv_heads}: {_FIX_MODEL}")
-        if architecture is None or head_dim is None:
-            known = find_bundled(name)
-            if known is not None:
-                known_model = HeadPattern.load(known).model
-                architecture = architecture or known_model.architecture
-                head_dim = head_dim or known_model.head_dim
-        if architecture is None or head_dim is None:
-            raise PatternError(
-                f"{folder} does not say the model's architecture and head_dim: pass them (CLI: --architecture "
-                "and --head-dim) or the model's config.json (CLI: --model)")
-
-        data = {
-            "schema_version": SCHEMA_VERSION,
-            "model": {"name": name, "aliases": list(aliases), "architecture": architecture,
-                      "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim},
-            "gates": gates.tolist(),
-            "sparsity": sparsity,
-            "sink": sink,
-            "recent": recent,
-            "provenance": {
-                "source": source or str(training.get("output_dir") or folder),
-                "method": REFERENCE_METHOD,
-                "date": date or datetime.date.fromtimestamp(gates_file.stat().st_mtime).isoformat(),
-                "license": license,
-                "notes": _training_notes(training, sink, recent),
-            },
-        }
-        return cls._validated(data, origin=str(folder))
 
     def save(self, path: str | Path) -> None:
         """Writes the pattern as JSON with one matrix row per line, so diffs and reviews stay readable."""
@@ -333,52 +236,6 @@ class HeadPattern(_StrictModel):
         return mask.reshape(gates.shape)
 
 
-@dataclass(frozen=True)
-class KVFootprint:
-    """KV-cache size of one sequence, dense vs DuoAttention, in (token, KV head) slots and bytes.
-
-    dense = T * L * H; duo = T * sum(R_l) + min(T, sink + recent) * sum(S_l), with R_l / S_l the retrieval /
-    streaming heads of layer l. A slot holds K and V: 2 * head_dim values.
-    """
-
-    context_len: int
-    dense_slots: int
-    duo_slots: int
-    bytes_per_slot: int
-
-    @property
-    def ratio(self) -> float:
-        """Duo size as a fraction of dense."""
-        return self.duo_slots / self.dense_slots
-
-    @property
-    def saving(self) -> float:
-        """Fraction of the dense KV cache that DuoAttention does not need."""
-        return 1.0 - self.ratio
-
-    @property
-    def dense_bytes(self) -> int:
-        return self.dense_slots * self.bytes_per_slot
-
-    @property
-    def duo_bytes(self) -> int:
-        return self.duo_slots * self.bytes_per_slot
-
-
-def kv_footprint(pattern: HeadPattern, context_len: int, sparsity: float | None = None,
-                 dtype_bytes: int = 2) -> KVFootprint:
-    """KV-cache footprint of one `context_len`-token sequence under `pattern` at `sparsity` (bf16 by default)."""
-    if context_len <= 0:
-        raise PatternError(f"context length {context_len} is not positive: pass a number of tokens, e.g. 32768")
-    num_retrieval = sum(pattern.retrieval_counts(sparsity))
-    num_streaming = pattern.num_heads - num_retrieval
-    return KVFootprint(
-        context_len=context_len,
-        dense_slots=context_len * pattern.num_heads,
-        duo_slots=context_len * num_retrieval + min(context_len, pattern.sink + pattern.recent) * num_streaming,
-        bytes_per_slot=2 * pattern.model.head_dim * dtype_bytes,
-    )
-
 
 def read_hf_config(model: str | Path) -> AttentionShape:
     """Attention shape from a Hugging Face config.json (or the model folder holding it)."""
@@ -397,6 +254,82 @@ def read_hf_config(model: str | Path) -> AttentionShape:
     except (KeyError, IndexError, TypeError) as error:
         raise PatternError(f"model config {path} lacks {error}: point at a Hugging Face model folder") from None
     return shape
+
+
+def pattern_from_reference_dir(
+    folder: str | Path,
+    name: str | None = None,
+    *,
+    model_config: str | Path | None = None,
+    architecture: str | None = None,
+    head_dim: int | None = None,
+    aliases: list[str] | tuple[str, ...] = (),
+    sink: int = 64,
+    recent: int = 256,
+    sparsity: float = 0.5,
+    source: str | None = None,
+    date: str | None = None,
+    license: str | None = None,
+) -> HeadPattern:
+    """Imports a mit-han-lab/duo-attention pattern folder (full_attention_heads.tsv + training config.json).
+
+    The gates are kept (clipped to [0, 1], as the reference loader does) so any sparsity can be chosen later.
+    sink/recent default to 64/256, what the reference deploys for LongBench and NIAH; the training values
+    from config.json (128/256) go to the provenance notes. The folder holds neither the architecture nor
+    head_dim: they come from explicit arguments, else from `model_config` (a Hugging Face config.json or its
+    folder), else from the bundled pattern of the same name. `source` defaults to the training run's
+    output_dir, `date` to the TSV's modification date.
+    """
+    folder = Path(folder)
+    name = name or folder.resolve().name
+    gates_file = folder / REFERENCE_GATES_FILE
+    if not gates_file.is_file():
+        raise PatternError(f"{folder} has no {REFERENCE_GATES_FILE}: point at a duo-attention attn_patterns run")
+    try:
+        gates = np.loadtxt(gates_file, delimiter="\t", ndmin=2)
+    except ValueError as error:
+        raise PatternError(f"{gates_file} is not a tab-separated float matrix ({error}): re-export it") from None
+    training = _read_json_object(folder / REFERENCE_CONFIG_FILE)
+    num_layers, num_kv_heads = gates.shape
+
+    if model_config is not None:
+        shape = read_hf_config(model_config)
+        architecture = architecture or shape.architecture
+        head_dim = head_dim or shape.head_dim
+        if (shape.num_layers, shape.num_kv_heads) != (num_layers, num_kv_heads):
+            raise PatternError(
+                f"{gates_file} is {num_layers} layers x {num_kv_heads} KV heads but model config {model_config} "
+                f"has {shape.num_layers} x {shape.num_kv_heads}: {_FIX_MODEL}")
+    if architecture is None or head_dim is None:
+        known = find_bundled(name)
+        if known is not None:
+            known_model = HeadPattern.load(known).model
+            architecture = architecture or known_model.architecture
+            head_dim = head_dim or known_model.head_dim
+    if architecture is None or head_dim is None:
+        raise PatternError(
+            f"{folder} does not say the model's architecture and head_dim: pass them (CLI: --architecture "
+            "and --head-dim) or the model's config.json (CLI: --model)")
+
+    data = {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": name, "aliases": list(aliases), "architecture": architecture,
+                  "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim},
+        "gates": gates.tolist(),
+        "sparsity": sparsity,
+        "sink": sink,
+        "recent": recent,
+        "provenance": {
+            "source": source or str(training.get("output_dir") or folder),
+            "method": REFERENCE_METHOD,
+            "date": date or datetime.date.fromtimestamp(gates_file.stat().st_mtime).isoformat(),
+            "license": license,
+            "notes": _training_notes(training, sink, recent),
+        },
+    }
+    return HeadPattern._validated(data, origin=str(folder))
+
+
 
 
 def _bundled_dir() -> Path:
@@ -435,7 +368,7 @@ def resolve_pattern(spec: str | None, model_path: str | None = None) -> tuple[He
             return HeadPattern.load(candidate), f"file {candidate}"
         if (candidate / REFERENCE_GATES_FILE).is_file():
             model_config = Path(model_path) / "config.json" if model_path else None
-            pattern = HeadPattern.from_reference_dir(
+            pattern = pattern_from_reference_dir(
                 candidate, model_config=model_config if model_config and model_config.is_file() else None)
             return pattern, f"reference folder {candidate}"
         bundled = find_bundled(spec)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,90 +13,12 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
+from vllm_duo.tools.accuracy.passkey import PasskeyPrompt, passkey_prompt
+from vllm_duo.tools.pattern_commands import pattern_from_gates
 
-SOURCE = "vllm-duo scoring (vllm_duo/scoring.py)"
+SOURCE = "vllm-duo scoring (vllm_duo/tools/accuracy/scoring.py)"
 NOTES = "first pattern by attention-mass scoring; to be replaced by a trained pattern (vllm-duo identify)"
-# The classic passkey test (Landmark Attention), as plain text without a chat template so the same prompt fits base
-# and instruct models.
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.")
-NEEDLE = "The pass key is {passkey}. Remember it. {passkey} is the pass key."
-QUESTION = "What is the pass key? The pass key is"
 _ATTENTION = "duo_scoring"
-
-# The haystack is drawn from these parts (12^4 sentences) rather than the classic "The grass is green. ..." repeated:
-# repeated text gives every token an exact copy one period back, which copy (induction) heads latch onto and which is
-# far from what the model was trained on. No part holds a digit, so the passkey is the only number in the prompt.
-_SUBJECTS = ("The old fisherman", "A young teacher", "The baker", "My neighbour", "The small dog", "A tired traveller",
-             "The farmer", "Her brother", "The children", "A quiet student", "The captain", "Our guide")
-_VERBS = ("walked to", "looked at", "painted", "cleaned", "talked about", "found", "visited", "carried",
-          "wrote about", "waited near", "forgot about", "dreamed of")
-_OBJECTS = ("the red barn", "a wooden boat", "the village market", "the garden", "an old map", "the river bank",
-            "a basket of apples", "the church tower", "the narrow bridge", "a letter from home", "the green hills",
-            "the empty station")
-_ENDINGS = ("in the morning", "after lunch", "before the rain", "on a windy day", "with great care",
-            "without a word", "at sunset", "during the winter", "for a long time", "once again", "by the lake",
-            "under the stars")
-
-
-@dataclass(frozen=True)
-class PasskeyPrompt:
-    """One tokenized passkey prompt, teacher-forced: intro, haystack with the needle, question, answer."""
-
-    input_ids: list[int]
-    needle: range  # token positions of the needle sentence
-    question_start: int  # first token of the question; the scored queries run from here to the end
-    answer_start: int  # first token of the answer; generation starts here
-    passkey: str
-
-
-def haystack(encode, rng: random.Random, budget: int) -> list[list[int]]:
-    """Varied haystack sentences drawn by `rng`, each encoded, as many as fit in `budget` tokens."""
-    sentences, length = [], 0
-    while True:
-        text = " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) + "."
-        sentence = encode(" " + text)
-        if length + len(sentence) > budget:
-            return sentences
-        sentences.append(sentence)
-        length += len(sentence)
-
-
-def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float, *, sink: int,
-                   recent: int) -> PasskeyPrompt:
-    """A prompt of at most `context_len` tokens with a 5-digit passkey at `depth` (0 = earliest, 1 = latest).
-
-    The needle goes between two haystack sentences, and only where a streaming head with `sink` + `recent`
-    cannot see it from any question or answer token: after the first `sink` tokens and more than `recent` tokens
-    before the question. `depth` picks among those places.
-    """
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    passkey = str(rng.randint(10000, 99999))
-    intro, needle = encode(INTRO), encode(" " + NEEDLE.format(passkey=passkey))
-    question, answer = encode(" " + QUESTION), encode(" " + passkey)
-    budget = context_len - len(intro) - len(needle) - len(question) - len(answer)
-    sentences = haystack(encode, rng, budget)
-    haystack_len = sum(map(len, sentences))
-
-    question_start = len(intro) + haystack_len + len(needle)
-    starts = np.cumsum([len(intro)] + [len(sentence) for sentence in sentences])  # before sentence i, or at the end
-    places = [i for i, start in enumerate(starts) if sink <= start and start + len(needle) <= question_start - recent]
-    if not places:
-        raise PatternError(f"context length {context_len} leaves no place for a passkey outside sink {sink} + recent "
-                           f"{recent} tokens: raise the context length or lower sink/recent")
-    place = places[min(int(depth * len(places)), len(places) - 1)]
-    before = [token for sentence in sentences[:place] for token in sentence]
-    after = [token for sentence in sentences[place:] for token in sentence]
-    needle_start = len(intro) + len(before)
-    return PasskeyPrompt(
-        input_ids=intro + before + needle + after + question + answer,
-        needle=range(needle_start, needle_start + len(needle)),
-        question_start=question_start,
-        answer_start=question_start + len(question),
-        passkey=passkey,
-    )
 
 
 class _NeedleProbe:
@@ -179,8 +100,8 @@ def score_pattern(model_dir: str | Path, *, name: str | None = None, aliases: Se
               f"sink {sink} + recent {recent}, over {num_samples} prompts of up to {context_len} tokens (seed {seed}; "
               "one 5-digit passkey per prompt at a stratified random depth; varied filler sentences), divided by "
               "the largest head's score")
-    return HeadPattern.from_gates(scores, model_dir, name=name, aliases=aliases, sparsity=sparsity, sink=sink,
-                                  recent=recent, source=SOURCE, method=method, notes=NOTES, date=date, license=license)
+    return pattern_from_gates(scores, model_dir, name=name, aliases=aliases, sparsity=sparsity, sink=sink,
+                              recent=recent, source=SOURCE, method=method, notes=NOTES, date=date, license=license)
 
 
 def write_scored_pattern(model_dir: str, out: str, **options) -> str:

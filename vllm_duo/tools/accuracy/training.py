@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Retrieval-head identification: DuoAttention gate training on synthetic multi-passkey prompts (`vllm-duo identify`).
+"""DuoAttention gate training: one gate per layer and KV head mixes full and streaming attention in the frozen
+Hugging Face model, trained so that the mix keeps the full model's hidden states on multi-passkey prompts.
 
-Haystack: the varied filler sentences of `vllm_duo.scoring` (subject, verb, object and ending drawn from fixed lists,
+Haystack: the varied filler sentences of passkey.py (subject, verb, object and ending drawn from fixed lists,
 12^4 sentences, no digits), generated offline from a seed. The reference trains on BookSum chapters, which are not
 available offline; repeated text ("The grass is green. ...") gives every token an exact copy one period back that
 copy heads latch onto, and it is far from what a model reads. Varied digit-free sentences avoid both, and the
@@ -9,12 +10,9 @@ passkeys are the only numbers in the prompt, so the question tokens can only be 
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import socket
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,19 +22,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
-from vllm_duo.scoring import INTRO, haystack
+from vllm_duo.pattern import PatternError
+from vllm_duo.tools.accuracy.passkey import ORDINALS, PasskeySample, multi_passkey_prompt
 
-SOURCE = "vllm-duo identify"
 SAVE_EVERY = 50  # steps between checkpoint writes, when a checkpoint path is given
 _ATTENTION = "duo_gated"
-# The multi-key versions of scoring.py's NEEDLE and QUESTION: with several keys each needs a name.
-NEEDLE = "The {ordinal} pass key is {passkey}. Remember it. {passkey} is the {ordinal} pass key."
-QUESTION = "What is the {ordinal} pass key? The {ordinal} pass key is"
-ANSWER = "{passkey}."
-ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth",
-            "eleventh", "twelfth", "thirteenth", "fourteenth", "fifteenth", "sixteenth", "seventeenth",
-            "eighteenth", "nineteenth", "twentieth")
 
 
 @dataclass(frozen=True)
@@ -75,72 +65,6 @@ class IdentifySettings:
         if problems:
             raise PatternError("; ".join(problems))
 
-
-def default_context_len(model_dir: str | Path, device: str | None = None) -> int:
-    """On GPU the model's usable context (max_position_embeddings, at most the reference's 32000); 2048 on CPU,
-    where a step at 8k tokens takes minutes."""
-    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if not cuda:
-        return 2048
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return min(int(config.get("max_position_embeddings") or 32000), 32000)
-
-
-@dataclass(frozen=True)
-class PasskeySample:
-    """One tokenized training prompt; `supervised` are the question and answer token positions the loss reads."""
-
-    input_ids: list[int]
-    supervised: list[int]
-    passkeys: list[str]
-    needle_starts: list[int]
-
-
-def multi_passkey_prompt(tokenizer, context_len: int, rng: random.Random, num_passkeys: int, *, sink: int,
-                         recent: int) -> PasskeySample:
-    """`num_passkeys` 5-digit passkeys at random depths of a haystack, then a question and answer for each.
-
-    Like scoring.passkey_prompt, needles go between haystack sentences and only where a streaming head with
-    `sink` + `recent` cannot see them from the questions: after the first `sink` tokens and more than `recent`
-    tokens before the first question. So each supervised token needs the full-attention heads to be right.
-    """
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    passkeys = [str(rng.randint(10000, 99999)) for _ in range(num_passkeys)]
-    ordinals = ORDINALS[:num_passkeys]
-    intro = encode(INTRO)
-    needles = [encode(" " + NEEDLE.format(ordinal=o, passkey=p)) for o, p in zip(ordinals, passkeys)]
-    qa = [encode(" " + QUESTION.format(ordinal=o)) + encode(" " + ANSWER.format(passkey=p))
-          for o, p in zip(ordinals, passkeys)]
-    budget = context_len - len(intro) - sum(map(len, needles)) - sum(map(len, qa))
-    sentences = haystack(encode, rng, budget)
-    haystack_len = sum(map(len, sentences))
-
-    # Token offset before sentence i counting intro and haystack only; a needle placed there moves by the needles
-    # before it, and the last one must still end more than `recent` tokens before the first question.
-    starts = np.cumsum([len(intro)] + [len(sentence) for sentence in sentences])
-    question_start = len(intro) + haystack_len + sum(map(len, needles))
-    last_end_limit = question_start - recent - sum(map(len, needles))
-    places = [i for i, start in enumerate(starts) if sink <= start <= last_end_limit]
-    if len(places) < num_passkeys:
-        raise PatternError(
-            f"context length {context_len} leaves {len(places)} places for {num_passkeys} passkeys outside sink "
-            f"{sink} + recent {recent} tokens: raise the context length or lower --passkeys, --sink or --recent")
-    chosen = sorted(rng.sample(places, num_passkeys))
-
-    input_ids, needle_starts, previous = list(intro), [], 0
-    for place, needle in zip(chosen, needles):
-        input_ids += [token for sentence in sentences[previous:place] for token in sentence]
-        needle_starts.append(len(input_ids))
-        input_ids += needle
-        previous = place
-    input_ids += [token for sentence in sentences[previous:] for token in sentence]
-    assert len(input_ids) == question_start
-    for block in qa:
-        input_ids += block
-    return PasskeySample(input_ids=input_ids, supervised=list(range(question_start, len(input_ids))),
-                         passkeys=passkeys, needle_starts=needle_starts)
 
 
 class _Mixing:
@@ -393,113 +317,3 @@ def _agreed(flag: bool, trainer: GateTrainer) -> bool:
     shared = torch.tensor([flag], dtype=torch.int32, device=trainer.device)
     dist.broadcast(shared, 0)
     return bool(shared.item())
-
-
-def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: TrainResult, *, name: str | None = None,
-                  aliases: Sequence[str] = (), sparsity: float = 0.5, deploy_sink: int = 64,
-                  deploy_recent: int = 256, date: str | None = None, license: str | None = None) -> HeadPattern:
-    """A HeadPattern with the trained gates, deploy defaults and a provenance that names every hyperparameter."""
-    length = (f"{settings.context_len}" if settings.min_context_len in (None, settings.context_len)
-              else f"uniform in [{settings.min_context_len}, {settings.context_len}]")
-    method = (
-        "DuoAttention gate optimization: one gate alpha per layer and KV head (init 1, broadcast over its GQA "
-        "group), head output = alpha * causal attention + (1 - alpha) * streaming attention (Λ mask: sink "
-        f"{settings.sink}, recent {settings.recent}); model frozen. Loss: mean over question/answer tokens of the "
-        "squared distance (mean over the hidden size) between the final hidden states of the gated and the "
-        f"full-attention model (distill) + reg_weight {settings.reg_weight} x mean |alpha|. AdamW lr {settings.lr}, "
-        "weight decay 0, reference trapezoid schedule (linear warmup over the first 20% of steps, linear decay over "
-        f"the last 20%, both floored at 0.1x), gates clamped to [0, 1] after every step; {settings.steps} steps, "
-        f"{settings.batch_size} sample(s) per step and process x {result.world_size} process(es); data: "
-        f"{settings.passkeys} 5-digit passkeys per prompt at random depths of varied filler sentences "
-        f"(vllm_duo/scoring.py), prompt length {length} tokens, seed {settings.seed}; {result.dtype} on "
-        f"{result.device}" + (", gradient checkpointing" if settings.grad_checkpoint else ""))
-    final = result.history[-1]
-    last = result.history[-max(1, len(result.history) // 10):]
-    notes = (f"final loss {final.loss:.6f} (distill {final.distill:.6f}, reg {final.reg:.6f}); mean loss of the last "
-             f"{len(last)} steps {np.mean([s.loss for s in last]):.6f}; first-step loss "
-             f"{result.history[0].loss:.6f}; {len(result.history)} steps in {result.wall_s:.1f} s wall; mean gate "
-             f"{result.gates.mean():.4f}. Deploy sink/recent {deploy_sink}/{deploy_recent} (the reference deploys "
-             "64/256); training used the sink/recent in the method.")
-    return HeadPattern.from_gates(result.gates, model_dir, name=name, aliases=aliases, sparsity=sparsity,
-                                  sink=deploy_sink, recent=deploy_recent, source=SOURCE, method=method, notes=notes,
-                                  date=date, license=license)
-
-
-def _worker(rank: int, world_size: int, model_dir: str, settings: IdentifySettings, out: str, run: dict,
-            options: dict, port: int) -> None:
-    """One spawned process of a multi-process run; rank 0 writes the pattern."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    _run_distributed(model_dir, settings, out, run, options)
-
-
-def _write_if_complete(model_dir: str, settings: IdentifySettings, result: TrainResult, out: str,
-                       options: dict) -> None:
-    if len(result.history) == settings.steps:
-        build_pattern(model_dir, settings, result, **options).save(out)
-
-
-def _run_distributed(model_dir: str, settings: IdentifySettings, out: str, run: dict, options: dict) -> None:
-    """Runs one process of a torch.distributed job (torchrun or spawn): data parallel over samples."""
-    import torch.distributed as dist
-
-    rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    cuda = (settings.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    device = f"cuda:{local_rank}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-    try:
-        result = train(model_dir, settings, rank=rank, world_size=world_size, device=device, **run)
-        if rank == 0:
-            _write_if_complete(model_dir, settings, result, out, options)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings, *, processes: int | None = None,
-             progress: bool = True, checkpoint: str | Path | None = None, time_limit: float | None = None,
-             **options) -> str:
-    """Trains the gates, writes the pattern JSON to `out` and returns a one-line summary.
-
-    Under torchrun (WORLD_SIZE > 1) this process is one rank. Otherwise `processes` (default: the number of visible
-    GPUs when training on CUDA, else 1) processes are spawned when it is above 1, each on its own GPU (gloo on CPU),
-    data parallel over samples with the gate gradients all-reduced. `checkpoint` and `time_limit` are train()'s:
-    a run stopped by the time limit writes no pattern, only the checkpoint. `options` go to build_pattern.
-    """
-    settings.check()
-    model_dir, out = str(model_dir), str(out)
-    if time_limit is not None and checkpoint is None:
-        raise PatternError("a time limit needs a checkpoint (--checkpoint PATH): without one the stopped run's "
-                           "training would be lost")
-    run = {"checkpoint": None if checkpoint is None else str(checkpoint), "time_limit": time_limit}
-    read_hf_config(model_dir)  # a wrong folder fails here, not in every spawned process
-    cuda = (settings.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _run_distributed(model_dir, settings, out, run, options)
-        if int(os.environ["RANK"]) != 0:
-            return ""
-    else:
-        processes = processes or (torch.cuda.device_count() if cuda else 1)
-        if processes > 1:
-            import torch.multiprocessing as mp
-
-            mp.spawn(_worker, args=(processes, model_dir, settings, out, run, options, _free_port()),
-                     nprocs=processes)
-        else:
-            _write_if_complete(model_dir, settings, train(model_dir, settings, progress=progress, **run), out,
-                               options)
-    if checkpoint is not None and (done := checkpoint_steps(checkpoint)) < settings.steps:
-        return (f"stopped at step {done} of {settings.steps} (time limit); state saved in {checkpoint}: run the "
-                "same command again to continue")
-    pattern = HeadPattern.load(out)
-    counts = pattern.retrieval_counts()
-    return (f"wrote {out}: {pattern.model.num_layers} layers x {pattern.model.num_kv_heads} KV heads, "
-            f"{sum(counts)} retrieval at sparsity {pattern.sparsity:g}; {pattern.provenance.notes}")

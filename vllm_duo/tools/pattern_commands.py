@@ -1,23 +1,50 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the `vllm-duo pattern` commands do: convert, summarize, draw and check head patterns."""
+"""What the `vllm-duo pattern` commands do (convert, summarize, draw and check head patterns), and the pattern
+files the trainers write from gates (identify, `pattern score`); none of it is needed to serve a pattern."""
 from __future__ import annotations
 
+import datetime
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from vllm_duo.pattern import HeadPattern, kv_footprint, read_hf_config, resolve_pattern
+from vllm_duo.pattern import (SCHEMA_VERSION, HeadPattern, PatternError, pattern_from_reference_dir, read_hf_config,
+                              resolve_pattern)
 
 _GIB = 1024**3
 _LAYERS_PER_TABLE_ROW = 16
 
 
+def pattern_from_gates(gates: np.ndarray, model_dir: str | Path, *, name: str | None,
+                       aliases: list[str] | tuple[str, ...], sparsity: float, sink: int, recent: int, source: str,
+                       method: str, notes: str | None, date: str | None = None,
+                       license: str | None = None) -> HeadPattern:
+    """A pattern of `gates` [layers, KV heads] for the model folder `model_dir` (shape from its config.json).
+
+    Gates keep 6 decimals: readable JSON, and float noise from thread counts does not change the file.
+    """
+    shape = read_hf_config(model_dir)
+    return HeadPattern.model_validate({
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": name or Path(model_dir).resolve().name, "aliases": list(aliases),
+                  "architecture": shape.architecture, "num_layers": shape.num_layers,
+                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
+        "gates": np.round(gates, 6).tolist(),
+        "sparsity": sparsity,
+        "sink": sink,
+        "recent": recent,
+        "provenance": {"source": source, "method": method, "date": date or datetime.date.today().isoformat(),
+                       "license": license, "notes": notes},
+    })
+
+
 def convert(reference_dir: str, out: str, **reference_options) -> str:
     """Imports a duo-attention reference folder and writes it as a pattern JSON; returns a one-line summary.
 
-    `reference_options` are those of HeadPattern.from_reference_dir (name, model_config, architecture, ...).
+    `reference_options` are those of pattern_from_reference_dir (name, model_config, architecture, ...).
     """
-    pattern = HeadPattern.from_reference_dir(reference_dir, **reference_options)
+    pattern = pattern_from_reference_dir(reference_dir, **reference_options)
     pattern.save(out)
     return f"wrote {out}: {_shape_summary(pattern)}"
 
@@ -87,6 +114,53 @@ def validate(spec: str, model_dir: str | None = None) -> str:
     shape = read_hf_config(model_dir)
     pattern.check_model(*shape, model_name=str(Path(model_dir)))
     return f"{summary}; matches model {model_dir} ({shape.architecture})"
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """KV-cache size of one sequence, dense vs DuoAttention, in (token, KV head) slots and bytes.
+
+    dense = T * L * H; duo = T * sum(R_l) + min(T, sink + recent) * sum(S_l), with R_l / S_l the retrieval /
+    streaming heads of layer l. A slot holds K and V: 2 * head_dim values.
+    """
+
+    context_len: int
+    dense_slots: int
+    duo_slots: int
+    bytes_per_slot: int
+
+    @property
+    def ratio(self) -> float:
+        """Duo size as a fraction of dense."""
+        return self.duo_slots / self.dense_slots
+
+    @property
+    def saving(self) -> float:
+        """Fraction of the dense KV cache that DuoAttention does not need."""
+        return 1.0 - self.ratio
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.dense_slots * self.bytes_per_slot
+
+    @property
+    def duo_bytes(self) -> int:
+        return self.duo_slots * self.bytes_per_slot
+
+
+def kv_footprint(pattern: HeadPattern, context_len: int, sparsity: float | None = None,
+                 dtype_bytes: int = 2) -> KVFootprint:
+    """KV-cache footprint of one `context_len`-token sequence under `pattern` at `sparsity` (bf16 by default)."""
+    if context_len <= 0:
+        raise PatternError(f"context length {context_len} is not positive: pass a number of tokens, e.g. 32768")
+    num_retrieval = sum(pattern.retrieval_counts(sparsity))
+    num_streaming = pattern.num_heads - num_retrieval
+    return KVFootprint(
+        context_len=context_len,
+        dense_slots=context_len * pattern.num_heads,
+        duo_slots=context_len * num_retrieval + min(context_len, pattern.sink + pattern.recent) * num_streaming,
+        bytes_per_slot=2 * pattern.model.head_dim * dtype_bytes,
+    )
 
 
 def _shape_summary(pattern: HeadPattern) -> str:

@@ -18,11 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config, resolve_pattern
-from vllm_duo.zigzag import zigzag_pattern
+from vllm_duo.tools.accuracy.eval_report import summary_table, write_report
+from vllm_duo.tools.accuracy.passkey import passkey_prompt
+from vllm_duo.tools.bench.machine import machine_info
+from vllm_duo.tools.processes import logged_child
+from vllm_duo.tools.zigzag import zigzag_pattern
 
 DEFAULT_METHODS = ("full", "duo25", "duo50", "duo75", "zigzag50", "random50", "streaming50")
 DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+ENGINE_LOG = "engines.log"  # vLLM's output, in the results folder
 _METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?$")
 
 
@@ -83,10 +88,8 @@ def streaming_recent(num_heads: int, sparsity: float, tokens: int, sink: int, re
 
 
 def make_cases(tokenizer, contexts: Sequence[int], depths: Sequence[float], samples: int, seed: int) -> list[Case]:
-    """Passkey prompts from scoring.passkey_prompt over the whole haystack (depth 0 = right after the intro, 1 =
+    """Passkey prompts from passkey.passkey_prompt over the whole haystack (depth 0 = right after the intro, 1 =
     right before the question), each seeded by its grid cell so adding a context or method leaves the others."""
-    from vllm_duo.scoring import passkey_prompt
-
     cases = []
     for context_len in contexts:
         for depth in depths:
@@ -173,7 +176,8 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
 
 
 def _generate(settings: EvalSettings, duo: dict | None, cases: list[Case], max_model_len: int) -> list[str]:
-    """Greedy answers of one in-process vLLM engine, which is deleted afterwards so the next one has the memory."""
+    """Greedy answers of one vLLM engine, built in this process (the engines' child) and deleted afterwards so
+    that the next one has the memory."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     args = dict(model=settings.model, max_model_len=max_model_len, enforce_eager=True,
@@ -225,14 +229,13 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     pattern, pattern_source = resolve_pattern(settings.pattern, settings.model)
     pattern.check_model(*shape, model_name=settings.model)
 
-    # Before vLLM is first imported: one in-process engine at a time (fast starts, exceptions surface here).
+    # For the engines' process, which inherits this environment: one in-process engine at a time (fast starts,
+    # exceptions surface in _generate).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if _on_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_space:g}")
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from vllm_duo.bench import machine_info
 
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,18 +255,18 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     plan = [(method, duo, group) for method in methods
             for duo, group in _engine_runs(settings, method, num_heads, pattern_files, cases)]
-    bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
-    for method, duo, group in bar:
-        bar.set_postfix(method=method.name)
-        start = time.perf_counter()
-        answers = _generate(settings, duo, group, max_model_len)
-        runs_info.append({"method": method.name, "duo": duo, "cases": len(group),
-                          "wall_s": round(time.perf_counter() - start, 1)})
-        for case, answer in zip(group, answers):
-            records.append({"method": method.name, "context_len": case.context_len, "depth": case.depth,
-                            "sample": case.sample, "prompt_tokens": len(case.prompt),
-                            "needle_start": case.needle_start, "passkey": case.passkey, "answer": answer,
-                            "correct": case.passkey in answer})
+    with logged_child(out / ENGINE_LOG) as child, tqdm(plan, desc="eval", unit="engine", disable=not progress) as bar:
+        for method, duo, group in bar:
+            bar.set_postfix(method=method.name)
+            start = time.perf_counter()
+            answers = child.submit(_generate, settings, duo, group, max_model_len).result()
+            runs_info.append({"method": method.name, "duo": duo, "cases": len(group),
+                              "wall_s": round(time.perf_counter() - start, 1)})
+            for case, answer in zip(group, answers):
+                records.append({"method": method.name, "context_len": case.context_len, "depth": case.depth,
+                                "sample": case.sample, "prompt_tokens": len(case.prompt),
+                                "needle_start": case.needle_start, "passkey": case.passkey, "answer": answer,
+                                "correct": case.passkey in answer})
     results = {
         "settings": asdict(settings), "command": settings.command(), "started": started,
         "machine": machine_info(), "pattern": pattern_source, "num_kv_heads_total": num_heads,
@@ -274,11 +277,6 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     write_report(results, out)
     return results
-
-
-def write_report(results: dict, out: Path) -> None:
-    (out / "results.md").write_text(report(results), encoding="utf-8")
-    write_heatmaps(results, out)
 
 
 def _summary(method: Method, records: list[dict], settings: EvalSettings, num_heads: int,
@@ -305,101 +303,6 @@ def _summary(method: Method, records: list[dict], settings: EvalSettings, num_he
             "grid": grid, "kv_fraction": dict(zip(map(str, settings.contexts), kv))}
 
 
-def paired_with_full(records: list[dict], full: str, method: str) -> tuple[int, int, int, float, float]:
-    """A method against full attention on the same prompts: how far apart they can really be told.
-
-    Returns (lost: full right and method wrong, gained: the reverse, prompts, and the 95% interval of the difference
-    in points). The interval is Agresti and Min's (2005) adjusted Wald interval for paired proportions: half a
-    prompt added to each cell of the 2 x 2 table keeps it honest when few or no answers differ."""
-    def answers(name: str) -> dict:
-        return {(r["context_len"], r["depth"], r["sample"]): r["correct"] for r in records if r["method"] == name}
-
-    theirs, mine = answers(full), answers(method)
-    both = theirs.keys() & mine.keys()
-    lost = sum(theirs[k] and not mine[k] for k in both)
-    gained = sum(mine[k] and not theirs[k] for k in both)
-    b, c, n = lost + 0.5, gained + 0.5, len(both) + 2
-    center, spread = (c - b) / n, 1.96 * math.sqrt(b + c - (c - b) ** 2 / n) / n
-    return lost, gained, len(both), 100 * max(center - spread, -1.0), 100 * min(center + spread, 1.0)
-
-
-def report(results: dict) -> str:
-    """results.md: the summary table (accuracy per context, overall, points vs full with their paired 95% interval,
-    KV vs dense) and grids."""
-    settings = results["settings"]
-    contexts, depths = settings["contexts"], settings["depths"]
-    full = next((m for m in results["methods"] if m["kind"] == "full"), None)
-    lines = [f"# Passkey retrieval: {Path(settings['model']).name}", "",
-             f"Command: `{results['command']}`", "",
-             f"Machine: {results['machine']['device']}; vLLM {results['machine']['vllm_version']}, torch "
-             f"{results['machine']['torch_version']}, vllm-duo {results['machine']['vllm_duo_commit']}; started "
-             f"{results['started']}. Pattern: {results['pattern']}. {settings['samples']} sample(s) per cell, "
-             f"greedy, {settings['max_tokens']} new tokens; correct = the 5-digit passkey appears in the answer.", "",
-             "| method | " + " | ".join(f"{c} tok" for c in contexts)
-             + " | all | vs full (points) | lost / gained vs full | 95% interval (points) | KV vs dense |",
-             "|---" * (len(contexts) + 6) + "|"]
-    for m in results["methods"]:
-        delta = paired = interval = ""
-        if full is not None and m["kind"] != "full":
-            delta = f"{100 * (m['accuracy'] - full['accuracy']):+.1f}"
-            lost, gained, _, low, high = paired_with_full(results["records"], full["method"], m["method"])
-            paired, interval = f"{lost} / {gained}", f"{low:+.1f} to {high:+.1f}"
-        kv = ", ".join(f"{100 * v:.0f}%" for v in m["kv_fraction"].values())
-        lines.append(f"| {m['method']} | " + " | ".join(f"{100 * m['by_context'][str(c)]:.0f}%" for c in contexts)
-                     + f" | {100 * m['accuracy']:.1f}% | {delta} | {paired} | {interval} | {kv} |")
-    lines += ["", "Lost / gained: prompts full attention answers and the method misses / the reverse. The interval is "
-              "the 95% interval of the method's difference from full attention on these paired prompts (Agresti-Min "
-              "adjusted Wald): this grid cannot tell apart differences within it.", "",
-              "KV vs dense: (token, KV head) slots per request as a fraction of dense, per context. duoXX: "
-              "R T + (N - R) min(T, sink + recent), R = N - ceil(s (N - 1)) retrieval heads of N (zigzagXX: R = the "
-              "heads of its retrieval layers); streamingXX: all "
-              "N heads streaming with recent' = ceil((R T + (N - R)(sink + recent)) / N) - sink, the same budget "
-              "as duoXX; T = context + generated tokens.", "",
-              "Accuracy per context (rows) and needle depth (columns; 0 = right after the intro, 1 = right before "
-              "the question):", ""]
-    for m in results["methods"]:
-        lines += [f"**{m['method']}**", "", "| context | " + " | ".join(f"{d:g}" for d in depths) + " |",
-                  "|---" * (len(depths) + 1) + "|"]
-        lines += [f"| {c} | " + " | ".join(f"{100 * v:.0f}%" for v in row) + " |"
-                  for c, row in zip(contexts, m["grid"])]
-        lines.append("")
-    lines += ["Engines (one per method; per context for streaming, whose window depends on it):", ""]
-    lines += [f"- {e['method']}: {json.dumps(e['duo']) if e['duo'] else 'dense (vLLM default backend)'}; "
-              f"{e['cases']} prompts, {e['wall_s']} s" for e in results["engines"]]
-    return "\n".join(lines) + "\n"
-
-
-def write_heatmaps(results: dict, out: Path) -> None:
-    """heatmap-<method>.png per method and heatmaps.png with all of them: accuracy over context x depth."""
-    from matplotlib.figure import Figure  # without pyplot: Agg, and the process-wide backend is left alone
-
-    settings, methods = results["settings"], results["methods"]
-
-    def draw(axes, method):
-        grid = np.array(method["grid"])
-        image = axes.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
-        axes.set_xticks(range(len(settings["depths"])), [f"{d:g}" for d in settings["depths"]])
-        axes.set_yticks(range(len(settings["contexts"])), [str(c) for c in settings["contexts"]])
-        axes.set_xlabel("needle depth")
-        axes.set_ylabel("context (tokens)")
-        axes.set_title(f"{method['method']}: {100 * method['accuracy']:.1f}%", fontsize=10)
-        for (row, col), value in np.ndenumerate(grid):
-            axes.text(col, row, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
-        return image
-
-    for method in methods:
-        figure = Figure(figsize=(1.2 + 0.8 * len(settings["depths"]), 1.4 + 0.5 * len(settings["contexts"])),
-                        layout="constrained")
-        image = draw(figure.add_subplot(), method)
-        figure.colorbar(image, label="accuracy")
-        figure.savefig(out / f"heatmap-{method['method']}.png", dpi=110)
-    figure = Figure(figsize=(0.2 + (1.0 + 0.8 * len(settings["depths"])) * len(methods),
-                             1.4 + 0.5 * len(settings["contexts"])), layout="constrained")
-    for index, method in enumerate(methods):
-        draw(figure.add_subplot(1, len(methods), index + 1), method)
-    figure.savefig(out / "heatmaps.png", dpi=110)
-
-
 def default_out(model: str) -> str:
     """benchmarks/results/eval-<model folder>-<cpu|gpu>-<date>."""
     device = "cpu" if _on_cpu() else "gpu"
@@ -414,7 +317,7 @@ def command(args) -> str:
             raise PatternError("--report-only needs --out: the results folder of an earlier `vllm-duo eval`")
         results = json.loads((Path(args.out) / "results.json").read_text(encoding="utf-8"))
         write_report(results, Path(args.out))
-        return _summary_rows(args.out, results)
+        return summary_table(args.out, results)
     engine_args = None
     if args.engine_args:
         try:
@@ -424,7 +327,7 @@ def command(args) -> str:
         if not isinstance(engine_args, dict):
             raise PatternError("--engine-args must be a JSON object, e.g. '{\"enforce_eager\": false}'")
     if args.model is None:
-        from vllm_duo import smollm2
+        from vllm_duo.tools import smollm2
 
         args.model = str(smollm2.prepare())
     settings = EvalSettings(
@@ -432,10 +335,5 @@ def command(args) -> str:
         methods=tuple(args.methods), contexts=tuple(args.contexts), depths=tuple(args.depths), samples=args.samples,
         sink=args.sink, recent=args.recent, max_tokens=args.max_tokens, seed=args.seed, dtype=args.dtype,
         kv_cache_space=args.kv_cache_space, engine_args=engine_args)
-    return _summary_rows(settings.out, evaluate(settings, progress=not args.no_progress))
-
-
-def _summary_rows(out: str, results: dict) -> str:
-    rows = [f"  {m['method']:<12} {100 * m['accuracy']:5.1f}%  " +
-            "  ".join(f"{c}: {100 * v:.0f}%" for c, v in m["by_context"].items()) for m in results["methods"]]
-    return f"wrote {out}/results.md, results.json, heatmaps\n" + "\n".join(rows)
+    results = evaluate(settings, progress=not args.no_progress)
+    return summary_table(settings.out, results) + f"\nvLLM's log: {Path(settings.out) / ENGINE_LOG}"

@@ -6,8 +6,10 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from vllm_duo import bench, pattern_report, zigzag
 from vllm_duo.pattern import PatternError
+from vllm_duo.tools import pattern_commands, zigzag
+from vllm_duo.tools.bench.command import command as run_bench
+from vllm_duo.tools.bench.workloads import WORKLOADS, BenchError
 
 # A command is a function that adds its parser to the `vllm-duo` subparsers and sets `handler`: a function of the
 # parsed arguments returning the text to print. To add one, write such a function and list it in _COMMANDS.
@@ -44,7 +46,7 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     convert.add_argument("--sparsity", type=float, default=0.5, help="default fraction of streaming heads (0.5)")
     convert.add_argument("--source", help="provenance source (default: the training run's output_dir)")
     _add_pattern_file_args(convert, "the TSV's modification date", "license of the gates, e.g. MIT")
-    convert.set_defaults(handler=lambda args: pattern_report.convert(
+    convert.set_defaults(handler=lambda args: pattern_commands.convert(
         args.reference_dir, args.output, name=args.name, aliases=args.aliases, model_config=args.model,
         architecture=args.architecture, head_dim=args.head_dim, sink=args.sink, recent=args.recent,
         sparsity=args.sparsity, source=args.source, date=args.date, license=args.license))
@@ -56,7 +58,7 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     show.add_argument("--sparsity", type=float, help="fraction of streaming heads (default: the pattern's)")
     show.add_argument("--context-len", type=int, default=32768, help="tokens per sequence (default 32768)")
     show.add_argument("--heatmap", metavar="OUT.png", help="write a PNG of the gates with retrieval heads marked")
-    show.set_defaults(handler=lambda args: pattern_report.show(args.pattern, args.sparsity, args.context_len,
+    show.set_defaults(handler=lambda args: pattern_commands.show(args.pattern, args.sparsity, args.context_len,
                                                                args.heatmap))
 
     validate = actions.add_parser("validate", help="check a pattern file (and that it fits a model)",
@@ -64,7 +66,7 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
                                               "model's config.json.")
     validate.add_argument("pattern", metavar="PATTERN", help=pattern_help)
     validate.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder with config.json")
-    validate.set_defaults(handler=lambda args: pattern_report.validate(args.pattern, args.model))
+    validate.set_defaults(handler=lambda args: pattern_commands.validate(args.pattern, args.model))
 
     layers = actions.add_parser(
         "zigzag", help="make a layer-exclusive (ZigzagAttention) pattern: each layer all-retrieval or all-streaming",
@@ -97,7 +99,8 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
 
 
 def _score(args: argparse.Namespace) -> str:
-    from vllm_duo import scoring  # imported here: it loads torch and transformers, which no other command needs
+    # imported here: it loads torch and transformers, which no other command needs
+    from vllm_duo.tools.accuracy import scoring
 
     return scoring.write_scored_pattern(
         args.model, args.output, name=args.name, aliases=args.aliases, num_samples=args.samples,
@@ -113,7 +116,7 @@ def _add_bench_command(commands: _Subparsers) -> None:
                     "machine, one subprocess per run with its log kept; write results.json, results.md (tables "
                     "with duo/dense ratios and a physical-limit column) and plots. `all` = every workload but the "
                     "tiny CPU checks.",
-        epilog="workloads: " + "; ".join(f"{name}: {w.describe()}" for name, w in bench.WORKLOADS.items()))
+        epilog="workloads: " + "; ".join(f"{name}: {w.describe()}" for name, w in WORKLOADS.items()))
     parser.add_argument("--model", help="model folder or id (default for the tiny workloads: the bundled "
                                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--tokenizer", help="tokenizer folder or id (default: the model's)")
@@ -132,7 +135,7 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
     parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
     parser.add_argument("--workloads", nargs="+", default=["all"], metavar="NAME",
-                        help=f"workloads to run (default all): {', '.join(bench.WORKLOADS)}")
+                        help=f"workloads to run (default all): {', '.join(WORKLOADS)}")
     parser.add_argument("--max-model-len", nargs="+", default=[], metavar="NAME=N",
                         help="max_model_len of a workload, e.g. decode_heavy=20000")
     parser.add_argument("--set", nargs="+", default=[], metavar="NAME.FIELD=VALUE",
@@ -162,7 +165,7 @@ def _add_bench_command(commands: _Subparsers) -> None:
                         help="run nothing: rebuild results.md and plots from the results in --out and --merge")
     parser.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                         help="add the runs of other results folders, e.g. parts of one suite run in several calls")
-    parser.set_defaults(handler=bench.command)
+    parser.set_defaults(handler=run_bench)
 
 
 def _add_identify_command(commands: _Subparsers) -> None:
@@ -208,10 +211,10 @@ def _add_identify_command(commands: _Subparsers) -> None:
 
 
 def _identify(args: argparse.Namespace) -> str:
-    from vllm_duo import identify  # imported here: torch and transformers load slowly
+    from vllm_duo.tools.accuracy import identify, training  # imported here: torch and transformers load slowly
 
     context_len = args.context_len or identify.default_context_len(args.model, args.device)
-    settings = identify.IdentifySettings(
+    settings = training.IdentifySettings(
         steps=args.steps, context_len=context_len, min_context_len=args.min_context_len or context_len // 2,
         batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=args.sink, recent=args.recent,
         passkeys=args.passkeys, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
@@ -224,7 +227,7 @@ def _identify(args: argparse.Namespace) -> str:
 
 
 def _add_eval_command(commands: _Subparsers) -> None:
-    from vllm_duo.evaluate import DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_METHODS
+    from vllm_duo.tools.accuracy.evaluate import DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_METHODS
 
     parser = commands.add_parser(
         "eval", help="passkey needle-in-a-haystack accuracy through vLLM: dense, duo, zigzag, random heads, "
@@ -263,7 +266,7 @@ def _add_eval_command(commands: _Subparsers) -> None:
 
 
 def _eval(args: argparse.Namespace) -> str:
-    from vllm_duo import evaluate  # imported here: vLLM loads slowly
+    from vllm_duo.tools.accuracy import evaluate  # imported here: vLLM loads slowly
 
     return evaluate.command(args)
 
@@ -286,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         output = args.handler(args)
-    except (PatternError, bench.BenchError) as error:
+    except (PatternError, BenchError) as error:
         parser.exit(2, f"vllm-duo: error: {error}\n")
     except OSError as error:
         problem = f"{error.strerror}: {error.filename}" if error.filename else str(error)
@@ -296,5 +299,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m vllm_duo.cli` from a source checkout, where the console script is absent
+if __name__ == "__main__":  # `python -m vllm_duo.tools.cli` from a source checkout, where the console script is absent
     sys.exit(main())

