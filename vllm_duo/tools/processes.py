@@ -90,9 +90,9 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
     """Stops a process `start_logged` started and all it started, and returns once none of it runs, so that the next
     run finds the accelerator's memory free.
 
-    SIGTERM goes to `proc` alone first: vLLM's server then stops its engine itself, as after `kill` or Ctrl-C
-    (signalled at the same time, the engine would die under the server, which logs that as an ERROR). What is left
-    of its session after `grace` seconds gets SIGTERM, then SIGKILL."""
+    SIGTERM goes to `proc` alone first: vLLM's server then stops its engine itself, as after `kill`. Signalled at the
+    same time, the engine can exit first, and the server logs its dead engine as an ERROR traceback ("AsyncLLM
+    output_handler failed"). What is left of the session after `grace` seconds gets SIGTERM, then SIGKILL."""
     if proc.poll() is None:
         proc.terminate()
         try:

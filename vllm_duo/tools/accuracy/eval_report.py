@@ -119,6 +119,6 @@ def summary_table(out: str, results: dict) -> str:
     rows = [f"  {'method':<12} {'all':>6}  " + "".join(f"{f'{c} tok':>10}" for c in contexts) + "  vs full (points)"]
     for m in results["methods"]:
         delta = f"{100 * (m['accuracy'] - full['accuracy']):+.1f}" if full is not None and m is not full else ""
-        rows.append(f"  {m['method']:<12} {100 * m['accuracy']:5.1f}%  "
-                    + "".join(f"{100 * m['by_context'][str(c)]:9.0f}%" for c in contexts) + f"  {delta}")
+        rows.append((f"  {m['method']:<12} {100 * m['accuracy']:5.1f}%  "
+                     + "".join(f"{100 * m['by_context'][str(c)]:9.0f}%" for c in contexts) + f"  {delta}").rstrip())
     return f"wrote {out}/results.md, results.json, heatmaps\n" + "\n".join(rows)
