@@ -50,7 +50,7 @@ for stage in "$@"; do
         --checkpoint $WORK/identify/state.pt --time-limit $((DEADLINE - SECONDS - 60)) \
         -o $WORK/identify/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
         --alias HuggingFaceTB/SmolLM2-135M-Instruct --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' \
-        | tee -a "$WORK/identify/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -4
+        | tee -a "$WORK/identify/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -14
       grep "^identify: " "$WORK/identify/identify.log" | tail -1
       cp $WORK/identify/identify.log "$OUT/"; cp $WORK/identify/*.json "$OUT/" 2>/dev/null ;;
     eval)  # passkey eval through vLLM on SmolLM2 (issue 8): EVAL_PATTERN (default: the identify stage's), EVAL_ARGS

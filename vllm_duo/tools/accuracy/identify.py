@@ -12,7 +12,7 @@ import torch
 
 from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
 from vllm_duo.tools.accuracy.training import IdentifySettings, TrainResult, checkpoint_steps, train
-from vllm_duo.tools.pattern_commands import pattern_from_gates
+from vllm_duo.tools.pattern_commands import pattern_from_gates, show
 from vllm_duo.tools.processes import free_port
 
 SOURCE = "vllm-duo identify"
@@ -94,7 +94,8 @@ def _run_distributed(model_dir: str, settings: IdentifySettings, out: str, run: 
 def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings, *, processes: int | None = None,
              progress: bool = True, checkpoint: str | Path | None = None, time_limit: float | None = None,
              **options) -> str:
-    """Trains the gates, writes the pattern JSON to `out` and returns a one-line summary.
+    """Trains the gates, writes the pattern JSON to `out` and returns a summary: the pattern as `pattern show` gives
+    it (retrieval heads per layer at its default sparsity) and the training's figures.
 
     Under torchrun (WORLD_SIZE > 1) this process is one rank. Otherwise `processes` (default: the number of visible
     GPUs when training on CUDA, else 1) processes are spawned when it is above 1, each on its own GPU (gloo on CPU),
@@ -126,7 +127,4 @@ def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings,
     if checkpoint is not None and (done := checkpoint_steps(checkpoint)) < settings.steps:
         return (f"stopped at step {done} of {settings.steps} (time limit); state saved in {checkpoint}: run the "
                 "same command again to continue")
-    pattern = HeadPattern.load(out)
-    counts = pattern.retrieval_counts()
-    return (f"wrote {out}: {pattern.model.num_layers} layers x {pattern.model.num_kv_heads} KV heads, "
-            f"{sum(counts)} retrieval at sparsity {pattern.sparsity:g}; {pattern.provenance.notes}")
+    return f"wrote {out}\n{show(out)}\ntraining   {HeadPattern.load(out).provenance.notes}"
