@@ -8,7 +8,7 @@ retrieval ([0, 2, 5, 7]), block size 16, sink 64, recent 256.
   prefill: one request of 8k / 32k / 128k tokens, whole prompt or 8k chunks: duo layer vs FA3 causal,
            duo streaming heads alone (time per token should not grow with the context).
 Floors (bytes / bandwidth, FLOPs / rate): decode reads 2.15 GB of duo KV (4 of 8 heads, plus 20 MB
-of rings) vs 4.3 GB dense, about 0.7 ms vs 1.4 ms at a 3 TB/s copy rate; a 128k causal prefill is
+of streaming pages) vs 4.3 GB dense, about 0.7 ms vs 1.4 ms at a 3 TB/s copy rate; a 128k causal prefill is
 2 * T^2 * 32 * 128 = 1.4e14 FLOPs dense, about 0.18 s at 800 TFLOP/s, and duo needs half of that.
 Every working set here is larger than the 50 MB L2, so inputs are not rotated. Outputs are
 cross-checked: duo retrieval heads against FA3 on the same K/V, decode against the PyTorch
@@ -105,7 +105,10 @@ def load_fa():
 
 @dataclasses.dataclass
 class DuoLayout:
-    """A duo cache for `seq_lens`, block ids scattered at random, block 0 unused."""
+    """A duo cache for `seq_lens` as vllm_duo/kv_cache.py lays it out for one layer: each token block has its
+    retrieval page and its streaming page group (m blocks), `stride` = 1 + m block table columns; block ids
+    scattered at random, block 0 unused. Every page group is kept (the engine frees those outside sink + window;
+    the kernels never read them)."""
 
     heads: LayerHeads
     cache: torch.Tensor
@@ -115,9 +118,9 @@ class DuoLayout:
     def build(cls, seq_lens: list[int]) -> DuoLayout:
         R, S = len(RETRIEVAL), NUM_KV_HEADS - len(RETRIEVAL)
         P = R
-        E = triton.cdiv((SINK + RECENT) * S, BLOCK * P)
-        heads = LayerHeads.build(RETRIEVAL, NUM_KV_HEADS, NUM_HEADS, E, SINK, RECENT, device=DEV)
-        counts = [E + triton.cdiv(s, BLOCK) for s in seq_lens]
+        stride = 1 + triton.cdiv(S, P)  # BLOCK slots x S streaming heads in blocks of BLOCK x P cells
+        heads = LayerHeads.build(RETRIEVAL, NUM_KV_HEADS, NUM_HEADS, stride, SINK, RECENT, device=DEV)
+        counts = [triton.cdiv(s, BLOCK) * stride for s in seq_lens]
         ids = torch.randperm(sum(counts), device=DEV).int() + 1
         table = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32, device=DEV)
         offset = 0
@@ -129,11 +132,11 @@ class DuoLayout:
 
     def copy_retrieval_from(self, dense_k, dense_v, dense_table, seq_lens):
         """Put the dense cache's retrieval heads into the duo pages (same K/V for both kernels)."""
-        E, R = self.heads.streaming_blocks, self.heads.num_retrieval
+        stride, R = self.heads.stride, self.heads.num_retrieval
         for i, s in enumerate(seq_lens):
             n = triton.cdiv(s, BLOCK)
             src = dense_table[i, :n].long()
-            dst = self.table[i, E:E + n].long()
+            dst = self.table[i, :n * stride:stride].long()
             self.cache[dst, 0, :, :R] = dense_k[src][:, :, self.heads.retrieval_kv]
             self.cache[dst, 1, :, :R] = dense_v[src][:, :, self.heads.retrieval_kv]
 
@@ -202,9 +205,9 @@ def bench_decode(fa, rows, out_json, batch=32, context=32768):
     res["check_vs_reference_rel_err"] = rel_err(out[:2], ref)
     del before
 
+    cache_write.write_kv(key, value, duo.cache, duo.heads, qsl, sl, duo.table)
     for splits in sorted({auto, 4, 16}):
-        t = ms(lambda: decode_attention(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out,
-                                        splits))
+        t = ms(lambda: decode_attention(query, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out, splits))
         res[f"duo_decode_ms_splits{splits}"] = t
         rows.append(("decode", f"duo attention, {splits} splits", t, duo_bytes / t / 1e6))
     t = ms(duo_step(auto))
@@ -263,9 +266,10 @@ def bench_decode_fp8(fa, rows, out_json, shapes=((4, 65536), (32, 32768))):
                                                  ("fp8 cache, fp16 multiply", fp8_cache, "fp16", 1),
                                                  ("fp8 cache, bf16 multiply", fp8_cache, "model", 1)):
             cache_write.FP8_COMPUTE = compute
+            cache_write.write_kv(key, value, cache, duo.heads, qsl, sl, duo.table, quant=quant)
             for splits in sorted({auto, 8, 16}):
-                t = ms(lambda: decode_attention(query, key, value, cache, duo.heads, qsl, sl, duo.table, SCALE, out,
-                                                splits, quant=quant))
+                t = ms(lambda: decode_attention(query, cache, duo.heads, qsl, sl, duo.table, SCALE, out, splits,
+                                                quant=quant))
                 res[f"{label} splits{splits} ms"] = t
                 rows.append((f"fp8 {batch}x{context // 1024}k", f"duo {label}, {splits} splits", t,
                              token_bytes * bytes_per / t / 1e6))
@@ -337,7 +341,7 @@ def bench_prefill(fa, rows, out_json, lengths=(8192, 32768, 131072), chunk=8192)
         rows.append((f"prefill {T // 1024}k", "duo layer, whole prompt", t, float("nan")))
         for kind in ("streaming", "retrieval"):
             heads = duo.with_only(kind)
-            t = ms(lambda: prefill_attention(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out))
+            t = ms(lambda: prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, out))
             res[f"duo_{kind}_heads_ms"] = t
             res[f"duo_{kind}_heads_us_per_token"] = t * 1e3 / T
             rows.append((f"prefill {T // 1024}k", f"duo {kind} heads only ({t * 1e6 / T:.2f} ns/token)", t,

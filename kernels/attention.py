@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_retrieval_kv, write_streaming_kv
+from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits
 from vllm_duo.kernels.prefill import prefill_attention
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
@@ -17,17 +17,16 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          block_table: torch.Tensor, scale: float, output: torch.Tensor, max_query_len: int,
                          max_seq_len: int, max_num_splits: int | None = None,
-                         ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
-    """Write the batch's K/V into the duo cache and attend: single-token requests by decode.py, the rest by prefill.py.
+                         stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
+                         retrieval_table: torch.Tensor | None = None) -> None:
+    """Write the batch's K/V into the duo cache, then attend: single-token requests by decode.py, the rest by
+    prefill.py.
 
     FlashAttention-3 (Hopper) takes the retrieval heads wherever it beats our Triton kernels on
     them (benchmarks/results): every prefill, and decode over fp8 pages, which it reads at about
     twice our decode kernel's rate (kernels_bench.py --fp8). Triton keeps the Λ-masked streaming heads.
-
-    Launch order: retrieval write, attention, streaming write (a chunk may overwrite ring
-    slots that its own earlier queries still read). With max_query_len == 1 nothing syncs with
-    the host: a decode batch is CUDA-graph capturable when max_num_splits is fixed (or max_seq_len
-    is, e.g. to max_model_len).
+    With max_query_len == 1 nothing syncs with the host: a decode batch is CUDA-graph capturable when
+    max_num_splits is fixed (or max_seq_len is, e.g. to max_model_len).
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`
@@ -36,37 +35,37 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         heads: the layer's `LayerHeads`, index tensors on the cache's device.
         query_start_loc: `[num_reqs + 1]` int32 on the device.
         seq_lens: `[num_reqs]` int32 on the device, context length after this step.
-        block_table: `[num_reqs, max_blocks]` int32, E streaming blocks then retrieval blocks.
+        block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         max_query_len, max_seq_len: host ints bounding the batch (vLLM's metadata has them).
         max_num_splits: context splits per retrieval head in decode; default `decode_num_splits`.
-        ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
+        stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the scales of an fp8 cache (`float8_e4m3fn` or `float8_e5m2`; default 1). Queries stay in
-            the model's dtype, except for FlashAttention-3's fp8 prefill, which quantizes them by `q_scale`.
+            the model's dtype, except for FlashAttention-3's fp8 path, which quantizes them by `q_scale`.
+        retrieval_table: `block_table[:, ::heads.stride]` contiguous, for FlashAttention (made here if None;
+            the backend makes it once per step for all layers, in a buffer CUDA graphs can replay).
     """
-    ring_cache = cache if ring_cache is None else ring_cache
+    stream_cache = cache if stream_cache is None else stream_cache
     if heads.num_retrieval == 0:
-        cache = ring_cache  # a layer without retrieval heads reads no pages of its own (its cache may be a stub)
+        cache = stream_cache  # a layer without retrieval heads reads no pages of its own (its cache may be a stub)
     if max_num_splits is None:
         max_num_splits = decode_num_splits(seq_lens.shape[0], heads.num_retrieval, max_seq_len, cache.device)
-    write_retrieval_kv(key, value, cache, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
-                       heads.streaming_blocks, quant)
+    write_kv(key, value, cache, heads, query_start_loc, seq_lens, block_table, stream_cache, quant)
     flash = flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
     by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn)
     if by_flash and heads.num_retrieval:
-        retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, block_table, scale,
+        if retrieval_table is None:
+            retrieval_table = block_table[:, ::heads.stride].contiguous()
+        retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, retrieval_table, scale,
                                   output, max_query_len, max_seq_len, quant,
                                   num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0)
     if max_query_len > 1:  # with FlashAttention, every request's streaming heads; else the multi-token requests
-        prefill_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                          min_query_len=1 if by_flash else 2, streaming_only=by_flash, ring_cache=ring_cache,
+        prefill_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
+                          min_query_len=1 if by_flash else 2, streaming_only=by_flash, stream_cache=stream_cache,
                           quant=quant)
     if max_query_len == 1 or not by_flash:
-        decode_attention(query, key, value, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                         max_num_splits, ring_cache=ring_cache, quant=quant, streaming_only=by_flash)
-    if heads.num_streaming:
-        write_streaming_kv(key, value, ring_cache, heads.streaming_kv, query_start_loc, seq_lens, block_table,
-                           heads.sink, heads.recent, heads.ring_offset, quant)
+        decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, max_num_splits,
+                         stream_cache=stream_cache, quant=quant, streaming_only=by_flash)
 
 
 # (query, cache) dtypes FlashAttention-3 takes: 16-bit, or fp8 e4m3 KV with queries quantized to it;
@@ -92,14 +91,14 @@ def flash_attn_varlen():
 
 
 def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
-                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, retrieval_table: torch.Tensor,
                               scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int,
                               quant: KVQuant | None = None, num_splits: int = 0) -> None:
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
-    `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and the
-    retrieval pages start at column E of the block table; the query heads are gathered and the
-    result scattered back, since FlashAttention wants them contiguous. On an fp8 cache the queries
+    `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and
+    `retrieval_table` lists each request's retrieval pages in token order; the query heads are gathered
+    and the result scattered back, since FlashAttention wants them contiguous. On an fp8 cache the queries
     are quantized by the layer's q scale and FlashAttention descales q, k and v, as vLLM's dense
     FLASH_ATTN backend does. `num_splits` 0 lets FlashAttention choose its KV splits.
     """
@@ -117,5 +116,5 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
-                block_table=block_table[:, heads.streaming_blocks:], num_splits=num_splits, **descales)
+                block_table=retrieval_table, num_splits=num_splits, **descales)
     output[:, heads.retrieval_q] = out.to(output.dtype)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton kernels that store a batch's new K/V in the duo cache: retrieval pages and streaming ring cells.
+"""The Triton kernel that stores a batch's new K/V in the duo cache: retrieval pages and streaming page groups.
 
-The layout helpers here (`find_request`, `retrieval_rows`, `ring_rows`) and the fp8 rounding
+The layout helpers here (`find_request`, `retrieval_rows`, `stream_rows`) and the fp8 rounding
 (`fp8_grid`) are shared with the attention kernels in prefill.py and decode.py; kernels/reference.py
 defines the layout and the fp8 storage (`KVQuant`).
 """
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.reference import KVQuant
+from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 WRITE_BLOCK_T = 16  # tokens per write program
 FP8_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -101,43 +101,45 @@ def find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def retrieval_rows(table_row_ptr, pos, mask, streaming_blocks, head, stride_block, stride_row, stride_head,
+def retrieval_rows(table_row_ptr, pos, mask, stride, head, stride_block, stride_row, stride_head,
                    BLOCK_SIZE: tl.constexpr):
-    """Cache offsets (of the K element 0) of retrieval head `head` at token positions `pos`."""
-    block = tl.load(table_row_ptr + streaming_blocks + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    """Cache offsets (of the K element 0) of retrieval head `head` at token positions `pos`: token block t's
+    retrieval page is column t * stride of the request's block table row."""
+    block = tl.load(table_row_ptr + pos // BLOCK_SIZE * stride, mask=mask, other=0).to(tl.int64)
     return block * stride_block + (pos % BLOCK_SIZE) * stride_row + head * stride_head
 
 
 @triton.jit
-def ring_rows(table_row_ptr, pos, mask, head, num_streaming, ring_offset, page_heads, sink, recent, stride_block,
-              stride_row, stride_head, BLOCK_SIZE: tl.constexpr):
-    """Ring-cache offsets (of the K element 0) of streaming head `head`'s ring cells for positions `pos`.
+def stream_rows(table_row_ptr, pos, mask, head, num_streaming, stream_offset, page_heads, stride, stride_block,
+                stride_row, stride_head, BLOCK_SIZE: tl.constexpr):
+    """Stream-cache offsets (of the K element 0) of streaming head `head` at token positions `pos`.
 
-    Slot p for p < sink, else sink + (p - sink) % recent; the ring `[W, S]` is flattened from
-    cell `ring_offset` on over the E streaming blocks of the ring cache, `page_heads` cells per row.
+    Token block t's streaming K/V `[BLOCK_SIZE slots, S]` is flattened from cell `stream_offset` on over
+    its page group (columns t * stride + 1 ...) of the stream cache, `page_heads` cells per row.
     """
-    slot = tl.where(pos < sink, pos, sink + (pos - sink) % recent)
-    flat = ring_offset + slot * num_streaming + head
+    flat = stream_offset + (pos % BLOCK_SIZE) * num_streaming + head
     cells_per_block = BLOCK_SIZE * page_heads
-    block = tl.load(table_row_ptr + flat // cells_per_block, mask=mask, other=0).to(tl.int64)
+    column = pos // BLOCK_SIZE * stride + 1 + flat // cells_per_block
+    block = tl.load(table_row_ptr + column, mask=mask, other=0).to(tl.int64)
     cell = flat % cells_per_block
     return block * stride_block + (cell // page_heads) * stride_row + (cell % page_heads) * stride_head
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_heads", "streaming_blocks", "ring_offset", "page_heads", "sink",
-                               "recent"])
-def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-                     k_scale_ptr, v_scale_ptr, num_reqs, num_heads, streaming_blocks, ring_offset, page_heads, sink,
-                     recent,
+@triton.jit(do_not_specialize=["num_reqs", "num_retrieval", "num_streaming", "stride", "stream_offset",
+                               "stream_page_heads"])
+def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr,
+                     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+                     num_reqs, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads,
                      stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64, stride_vh: tl.int64,
                      stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
-                     stride_ch: tl.int64,
+                     stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
+                     stride_sh: tl.int64,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, STREAMING: tl.constexpr, FP8: tl.constexpr):
-    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x heads).
+                     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x (R + S)).
 
-    `cache_ptr` is the layer's cache for retrieval writes, its ring cache for STREAMING ones; an
-    FP8 cache stores `x / scale` rounded to nearest even.
+    Retrieval heads go to their pages in the layer's cache, streaming heads to their token blocks' page
+    groups in the stream cache; an FP8 cache stores `x / scale` rounded to nearest even.
     """
     tile = tl.program_id(0)
     j = tl.program_id(1)
@@ -147,26 +149,22 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_lo
     t0 = q_start + (tile - (q_start // BLOCK_T + req)) * BLOCK_T
     if t0 >= q_end:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    num_cached = seq_len - (q_end - q_start)
-    first = num_cached + t0 - q_start
-    last = num_cached + tl.minimum(t0 + BLOCK_T, q_end) - 1 - q_start
-    if STREAMING:
-        if (first >= sink) & (last < seq_len - recent):  # no position of this tile stays visible
-            return
-
+    num_cached = tl.load(seq_lens_ptr + req) - (q_end - q_start)
     tok = t0 + tl.arange(0, BLOCK_T)
     pos = num_cached + tok - q_start
     mask = tok < q_end
-    if STREAMING:
-        mask &= (pos < sink) | (pos >= seq_len - recent)
     table_row = block_table_ptr + req * stride_table
-    if STREAMING:
-        rows = ring_rows(table_row, pos, mask, j, num_heads, ring_offset, page_heads, sink, recent,
-                         stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
+    if j < num_retrieval:
+        kv_head = tl.load(retrieval_kv_ptr + j)
+        dst_ptr = cache_ptr
+        rows = retrieval_rows(table_row, pos, mask, stride, j, stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
+        stride_kv = stride_ckv
     else:
-        rows = retrieval_rows(table_row, pos, mask, streaming_blocks, j, stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
-    kv_head = tl.load(kv_heads_ptr + j)
+        kv_head = tl.load(streaming_kv_ptr + j - num_retrieval)
+        dst_ptr = stream_ptr
+        rows = stream_rows(table_row, pos, mask, j - num_retrieval, num_streaming, stream_offset, stream_page_heads,
+                           stride, stride_sb, stride_sr, stride_sh, BLOCK_SIZE)
+        stride_kv = stride_skv
     offs_d = tl.arange(0, BLOCK_D)
     mask2 = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     tok64 = tok.to(tl.int64)[:, None]
@@ -175,9 +173,9 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, kv_heads_ptr, query_start_lo
     if FP8 != "":
         k = fp8_grid(k, 1.0 / tl.load(k_scale_ptr), FP8)
         v = fp8_grid(v, 1.0 / tl.load(v_scale_ptr), FP8)
-    dst = cache_ptr + rows[:, None] + offs_d[None, :]
+    dst = dst_ptr + rows[:, None] + offs_d[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask2)
-    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask2)
+    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask2)
 
 
 def check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -207,82 +205,61 @@ def check_tokens(cache: torch.Tensor, *tensors: torch.Tensor) -> None:
             raise ValueError("all token tensors must have the same number of tokens")
 
 
-def check_ring(cache: torch.Tensor, ring_cache: torch.Tensor) -> None:
-    """Check that a layer's ring cache (another layer's cache, or its own) matches its cache's blocks."""
-    same = (ring_cache.dim() == 5 and ring_cache.shape[:3] == cache.shape[:3] and ring_cache.shape[4] == cache.shape[4]
-            and ring_cache.dtype == cache.dtype and ring_cache.device == cache.device and ring_cache.is_contiguous())
+def check_stream_cache(cache: torch.Tensor, stream_cache: torch.Tensor) -> None:
+    """Check that a layer's stream cache (another layer's cache, or its own) matches its cache's blocks."""
+    same = (stream_cache.dim() == 5 and stream_cache.shape[:3] == cache.shape[:3]
+            and stream_cache.shape[4] == cache.shape[4] and stream_cache.dtype == cache.dtype
+            and stream_cache.device == cache.device and stream_cache.is_contiguous())
     if not same:
-        raise ValueError(f"ring cache {tuple(ring_cache.shape)} {ring_cache.dtype} must be a contiguous cache with the "
-                         f"blocks, block size, head_dim and dtype of the layer's cache {tuple(cache.shape)} {cache.dtype}")
+        raise ValueError(f"stream cache {tuple(stream_cache.shape)} {stream_cache.dtype} must be a contiguous cache "
+                         f"with the blocks, block size, head_dim and dtype of the layer's cache {tuple(cache.shape)} "
+                         f"{cache.dtype}")
 
 
-def check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
-                    cache: torch.Tensor, ring_cache: torch.Tensor | None, recent: int, has_streaming: bool,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Check an attention call's inputs (prefill.py, decode.py); returns the ring cache (`cache` when None)."""
-    ring_cache = cache if ring_cache is None else ring_cache
-    check_tokens(cache, query, key, value, output)
-    check_ring(cache, ring_cache)
+def check_attention(query: torch.Tensor, output: torch.Tensor, cache: torch.Tensor,
+                    stream_cache: torch.Tensor | None, heads: LayerHeads, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Check an attention call's inputs (prefill.py, decode.py); returns the stream cache (`cache` when None)."""
+    stream_cache = cache if stream_cache is None else stream_cache
+    check_tokens(cache, query, output)
+    check_stream_cache(cache, stream_cache)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)
-    if has_streaming and recent < 1:
-        raise ValueError(f"recent must be >= 1, got {recent}")
-    return ring_cache
+    if heads.num_streaming and heads.recent < 1:
+        raise ValueError(f"recent must be >= 1, got {heads.recent}")
+    return stream_cache
 
 
-def _write(key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, streaming_blocks, ring_offset, sink,
-           recent, streaming, quant):
+def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
+             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+             stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
+    """Store every new token's K/V: retrieval heads in their pages, streaming heads in their page groups. One
+    launch; run it before attention, which reads the cache alone.
+
+    Args:
+        key, value: `[num_tokens, num_kv_heads, head_dim]`, unit last stride.
+        cache: `[num_blocks, 2, block_size, P, head_dim]`, contiguous.
+        heads: the layer's head maps; retrieval head r goes to page head slot r.
+        query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32 (context after this step).
+        block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
+        stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
+        quant: the k/v scales of an fp8 cache (default 1); its rounding is always to nearest even.
+    """
+    stream_cache = cache if stream_cache is None else stream_cache
     check_tokens(cache, key, value)
+    check_stream_cache(cache, stream_cache)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)
-    num_heads = kv_heads.numel()
+    num_heads = heads.num_retrieval + heads.num_streaming
     num_tokens, num_reqs = key.shape[0], seq_lens.shape[0]
     if num_heads == 0 or num_tokens == 0 or num_reqs == 0:
         return
     head_dim = cache.shape[-1]
     grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads)
     _write_kv_kernel[grid](
-        key, value, cache, kv_heads, query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache),
-        num_reqs, num_heads, streaming_blocks, ring_offset, cache.shape[3], sink, recent,
+        key, value, cache, stream_cache, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
+        block_table, *scale_tensors(quant, cache),
+        num_reqs, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset, stream_cache.shape[3],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        stream_cache.stride(0), stream_cache.stride(1), stream_cache.stride(2), stream_cache.stride(3),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
-        BLOCK_SIZE=cache.shape[2], STREAMING=streaming, FP8=fp8_format(cache), num_warps=4)
-
-
-def write_retrieval_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, retrieval_kv: torch.Tensor,
-                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       streaming_blocks: int, quant: KVQuant | None = None) -> None:
-    """Store every new token's retrieval K/V in its paged row; run before attention reads the pages.
-
-    Args:
-        key, value: `[num_tokens, num_kv_heads, head_dim]`, unit last stride.
-        cache: `[num_blocks, 2, block_size, P, head_dim]`, contiguous.
-        retrieval_kv: `[R]` model KV head ids (int32 or int64); head r is stored in page head slot r.
-        query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32 (context after this step).
-        block_table: `[num_reqs, max_blocks]` int32, E streaming blocks then retrieval blocks.
-        streaming_blocks: E.
-        quant: the k/v scales of an fp8 cache (default 1); its rounding is always to nearest even.
-    """
-    _write(key, value, cache, retrieval_kv, query_start_loc, seq_lens, block_table, streaming_blocks, 0, 0, 1, False,
-           quant)
-
-
-def write_streaming_kv(key: torch.Tensor, value: torch.Tensor, ring_cache: torch.Tensor, streaming_kv: torch.Tensor,
-                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       sink: int, recent: int, ring_offset: int = 0, quant: KVQuant | None = None) -> None:
-    """Store the new streaming K/V that later queries can still see (positions < sink or >= seq_len - recent).
-
-    Run after streaming attention: within one chunk a later position can take the ring slot
-    that an earlier query of the same chunk still reads.
-
-    Args:
-        key, value, query_start_loc, seq_lens, block_table: as in `write_retrieval_kv`.
-        ring_cache: the cache whose streaming blocks hold the layer's ring.
-        streaming_kv: `[S]` model KV head ids; head s takes ring column s.
-        sink, recent: ring sizes, recent >= 1.
-        ring_offset: the layer's first cell in the ring cache's streaming blocks.
-        quant: the k/v scales of an fp8 ring cache (default 1).
-    """
-    if recent < 1:
-        raise ValueError(f"recent must be >= 1, got {recent}")
-    _write(key, value, ring_cache, streaming_kv, query_start_loc, seq_lens, block_table, 0, ring_offset, sink, recent,
-           True, quant)
+        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), num_warps=4)

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton split-head duo decoding: paged retrieval heads split flash-decoding style, streaming heads over the ring.
+"""Triton split-head duo decoding: paged retrieval heads split flash-decoding style, streaming heads over their
+sink and window.
 
 One launch covers a layer: the grid is (request, R x max_num_splits + S). A program serves
 the G query heads of one KV head, so each K/V byte is read once. Retrieval programs take an
 equal share of the context (split length computed on the device from seq_len) and a second
-kernel merges the shares; streaming programs read at most sink + recent ring cells and write
-their output directly. No host syncs and fixed grid shapes: CUDA-graph capturable.
+kernel merges the shares; streaming programs read at most sink + recent positions from their page
+groups and write their output directly. No host syncs and fixed grid shapes: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -27,24 +28,21 @@ def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPL
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
 
 
-@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "streaming_blocks", "ring_offset", "page_heads",
-                               "sink", "recent", "first_program"])
-def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr,
-                   v_scale_ptr, qk_scale,
-                   num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads, sink, recent, first_program,
-                   stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
-                   stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
+@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "stride", "stream_offset", "page_heads", "sink",
+                               "recent", "first_program"])
+def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr,
+                   streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+                   qk_scale, num_retrieval, num_streaming, stride, stream_offset, page_heads, sink, recent, first_program,
+                   stride_qt: tl.int64, stride_qh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                    stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
-                   stride_ch: tl.int64, stride_rb: tl.int64, stride_rkv: tl.int64, stride_rr: tl.int64,
-                   stride_rh: tl.int64,
+                   stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
+                   stride_sh: tl.int64,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
                    MIN_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS + S - first_program); requests whose query length is not 1 exit at once.
 
     Programs before `first_program` are not launched: R * MAX_SPLITS of them leaves the streaming heads only.
-
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output
     (split results too: the merge is linear) the v scale.
     """
@@ -84,15 +82,14 @@ def _decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, 
     table_row = block_table_ptr + req * stride_table
     if head < num_retrieval:
         m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, tl.minimum(seq_len, lo + split_len), seq_len - 1,
-                                        cache_ptr, table_row, streaming_blocks, head, qk_scale,
+                                        cache_ptr, table_row, stride, head, qk_scale,
                                         stride_cb, stride_ckv, stride_cr, stride_ch,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     else:
-        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, seq_len - 1, seq_len - 1, seq_len - 1, q_start,
-                                        ring_ptr, table_row, key_ptr, value_ptr, head - num_retrieval, kv_head,
-                                        num_streaming, ring_offset, page_heads, sink, recent, qk_scale, 1.0 / k_scale,
-                                        1.0 / v_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_rb,
-                                        stride_rkv, stride_rr, stride_rh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, FP8)
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, seq_len - 1, seq_len - 1, stream_ptr, table_row,
+                                        head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
+                                        recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     out = acc / l_i[:, None] * v_scale
     if MAX_SPLITS > 1:
         if head < num_retrieval:
@@ -145,29 +142,26 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
     return triton.next_power_of_2(max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), 64)))
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                     heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float, output: torch.Tensor, max_num_splits: int,
-                     ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
+def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
+                     max_num_splits: int, stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
                      streaming_only: bool = False) -> None:
     """Duo attention of every request with exactly one new token; other requests are left untouched.
 
-    The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
-    streaming ring must still hold the state before this step (`write_streaming_kv` runs after).
+    The batch's K/V must already be in the cache (`write_kv`).
 
     Args:
-        query: `[num_tokens, num_heads, head_dim]`; key, value: `[num_tokens, num_kv_heads, head_dim]`.
+        query: `[num_tokens, num_heads, head_dim]`.
         cache: `[num_blocks, 2, block_size, P, head_dim]`.
         heads: the layer's head maps (index tensors on the cache's device).
         query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 skips the merge.
-        ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
+        stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
     """
-    ring_cache = check_attention(query, key, value, output, cache, ring_cache, heads.recent, heads.num_streaming > 0,
-                                 query_start_loc, seq_lens, block_table)
+    stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
     num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
     if query.shape[0] == 0 or num_reqs == 0 or S + (0 if streaming_only else R) == 0:
         return
@@ -184,13 +178,12 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         part_out = torch.empty(num_reqs, R * G, splits, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, R * G, splits, dtype=torch.float32, device=cache.device)
     _decode_kernel[(num_reqs, R * splits + S - first_program)](
-        query, key, value, cache, ring_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
+        query, cache, stream_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
         query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
-        R, S, heads.streaming_blocks, heads.ring_offset, ring_cache.shape[3], heads.sink, heads.recent, first_program,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        output.stride(0), output.stride(1), block_table.stride(0),
+        R, S, heads.stride, heads.stream_offset, stream_cache.shape[3], heads.sink, heads.recent, first_program,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
+        stream_cache.stride(0), stream_cache.stride(1), stream_cache.stride(2), stream_cache.stride(3),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
         FP16=fp8_in_fp16(cache, query), num_warps=4,

@@ -2,11 +2,10 @@
 """Triton chunked-prefill duo attention over a varlen batch: causal retrieval heads, Λ-masked streaming heads.
 
 One program takes BLOCK_Q query tokens x the G query heads of one KV head (BLOCK_M = BLOCK_Q * G
-rows, GQA packed so each K/V tile serves the whole group). Retrieval heads read the paged cache
-(the chunk's own rows included, so `write_retrieval_kv` runs first); streaming heads read only the
-sink tiles and the window of `recent` positions below the tile, from the ring where the position
-is older than the chunk and from the `key`/`value` inputs otherwise, so their work is
-O(chunk x (sink + recent)). The tile helpers here are shared with decode.py.
+rows, GQA packed so each K/V tile serves the whole group). Both kinds read the cache alone, the
+chunk's own tokens included (`write_kv` runs first): retrieval heads their pages, streaming heads
+only the sink tiles and the window of `recent` positions below the tile from their page groups, so
+their work is O(chunk x (sink + recent)). The tile helpers here are shared with decode.py.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_format, fp8_grid, load_scales,
-                                         fp8_in_fp16, retrieval_rows, ring_rows, scale_tensors)
+from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_format, fp8_in_fp16, load_scales,
+                                         retrieval_rows, scale_tensors, stream_rows)
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
@@ -41,7 +40,7 @@ def softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr
 
 
 @triton.jit
-def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row, streaming_blocks, head, qk_scale,
+def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row, stride, head, qk_scale,
                     stride_cb, stride_ckv, stride_cr, stride_ch,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr):
@@ -55,8 +54,7 @@ def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row
     full_end = lo + (tl.minimum(first + 1, hi) - lo) // BLOCK_N * BLOCK_N
     for start in range(lo, full_end, BLOCK_N):
         pos = start + offs_n
-        rows = retrieval_rows(table_row, pos, pos < hi, streaming_blocks, head, stride_cb, stride_cr, stride_ch,
-                              BLOCK_SIZE)
+        rows = retrieval_rows(table_row, pos, pos < hi, stride, head, stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
         ptr = cache_ptr + rows[:, None] + offs_d[None, :]
         k = tl.load(ptr, mask=d_ok, other=0.0).to(q.dtype)
         v = tl.load(ptr + stride_ckv, mask=d_ok, other=0.0).to(q.dtype)
@@ -64,8 +62,7 @@ def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row
     for start in range(full_end, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        rows = retrieval_rows(table_row, pos, valid, streaming_blocks, head, stride_cb, stride_cr, stride_ch,
-                              BLOCK_SIZE)
+        rows = retrieval_rows(table_row, pos, valid, stride, head, stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
         ptr = cache_ptr + rows[:, None] + offs_d[None, :]
         k = tl.load(ptr, mask=valid[:, None] & d_ok, other=0.0).to(q.dtype)
         v = tl.load(ptr + stride_ckv, mask=valid[:, None] & d_ok, other=0.0).to(q.dtype)
@@ -75,79 +72,60 @@ def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row
 
 
 @triton.jit
-def _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head, kv_head,
-                  num_streaming, ring_offset, page_heads, sink, recent, inv_k_scale, inv_v_scale, stride_kt, stride_kh,
-                  stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh, dtype,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
-    """K/V `[N, D]` of streaming positions `pos`: ring cells before the chunk, key/value inputs after.
-
-    With an FP8 ring both come as stored (`x / scale` on the fp8 grid): the inputs are rounded
-    here as the ring will store them, so a chunk sees its own keys as later chunks will.
-    """
+def _streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads, stride,
+                  stride_sb, stride_skv, stride_sr, stride_sh, dtype,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K/V `[N, D]` of streaming head `head` at positions `pos`, from their token blocks' page groups."""
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = (offs_d < HEAD_DIM)[None, :]
-    old = valid & (pos < num_cached)
-    new = (valid & (pos >= num_cached))[:, None] & d_ok
-    rows = ring_rows(table_row, pos, old, head, num_streaming, ring_offset, page_heads, sink, recent,
-                     stride_rb, stride_rr, stride_rh, BLOCK_SIZE)
-    ring = ring_ptr + rows[:, None] + offs_d[None, :]
-    tok = (q_start + pos - num_cached).to(tl.int64)[:, None]
-    k = tl.load(ring, mask=old[:, None] & d_ok, other=0.0).to(dtype)
-    v = tl.load(ring + stride_rkv, mask=old[:, None] & d_ok, other=0.0).to(dtype)
-    k_new = tl.load(key_ptr + tok * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=new, other=0.0)
-    v_new = tl.load(value_ptr + tok * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=new, other=0.0)
-    if FP8 != "":
-        k_new = fp8_grid(k_new, inv_k_scale, FP8)
-        v_new = fp8_grid(v_new, inv_v_scale, FP8)
-    return k + k_new.to(dtype), v + v_new.to(dtype)
+    ok = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = stream_rows(table_row, pos, valid, head, num_streaming, stream_offset, page_heads, stride,
+                       stride_sb, stride_sr, stride_sh, BLOCK_SIZE)
+    ptr = stream_ptr + rows[:, None] + offs_d[None, :]
+    return tl.load(ptr, mask=ok, other=0.0).to(dtype), tl.load(ptr + stride_skv, mask=ok, other=0.0).to(dtype)
 
 
 @triton.jit
-def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, ring_ptr, table_row, key_ptr,
-                    value_ptr, head, kv_head, num_streaming, ring_offset, page_heads, sink, recent, qk_scale,
-                    inv_k_scale, inv_v_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv,
-                    stride_rr, stride_rh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row, head, num_streaming, stream_offset,
+                    page_heads, stride, sink, recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr):
     """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
 
     Only two key ranges can be visible: the sinks [0, sink) and the window
-    [first - recent + 1, last]; everything between is skipped.
+    [first - recent + 1, last]; everything between is skipped (its pages may be freed).
     """
     offs_n = tl.arange(0, BLOCK_N)
     sink_end = tl.minimum(sink, last + 1)
     for start in range(0, sink_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < sink_end
-        k, v = _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head,
-                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, inv_k_scale, inv_v_scale,
-                             stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
-                             q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP8)
+        k, v = _streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
+                             stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
+                             BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
         pos = start + offs_n
         valid = pos <= last
-        k, v = _streaming_kv(pos, valid, num_cached, q_start, ring_ptr, table_row, key_ptr, value_ptr, head,
-                             kv_head, num_streaming, ring_offset, page_heads, sink, recent, inv_k_scale, inv_v_scale,
-                             stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr, stride_rh,
-                             q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP8)
+        k, v = _streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
+                             stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
+                             BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
 
 
 # Batch-dependent ints are not specialized: each new value class would compile a new kernel mid-serving.
-@triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "streaming_blocks",
-                               "ring_offset", "page_heads", "sink", "recent", "min_query_len", "head_offset"])
-def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
+@triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "stride", "stream_offset",
+                               "page_heads", "sink", "recent", "min_query_len", "head_offset"])
+def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
                     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
-                    num_reqs, num_tiles, num_retrieval, num_streaming, streaming_blocks, ring_offset, page_heads,
+                    num_reqs, num_tiles, num_retrieval, num_streaming, stride, stream_offset, page_heads,
                     sink, recent, min_query_len, head_offset,
-                    stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
-                    stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
+                    stride_qt: tl.int64, stride_qh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                     stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
-                    stride_ch: tl.int64, stride_rb: tl.int64, stride_rkv: tl.int64, stride_rr: tl.int64,
-                    stride_rh: tl.int64,
+                    stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
+                    stride_sh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
                     FP16: tl.constexpr):
@@ -163,8 +141,7 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr,
     t0 = q_start + (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
     if (t0 >= q_end) | (q_end - q_start < min_query_len):
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    num_cached = seq_len - (q_end - q_start)
+    num_cached = tl.load(seq_lens_ptr + req) - (q_end - q_start)
     first = num_cached + t0 - q_start
     last = num_cached + tl.minimum(t0 + BLOCK_Q, q_end) - 1 - q_start
 
@@ -191,15 +168,14 @@ def _prefill_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, ring_ptr, out_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_table_ptr + req * stride_table
     if head < num_retrieval:
-        m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, 0, last + 1, first, cache_ptr, table_row,
-                                        streaming_blocks, head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
+        m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, 0, last + 1, first, cache_ptr, table_row, stride,
+                                        head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     else:
-        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, num_cached, q_start, ring_ptr,
-                                        table_row, key_ptr, value_ptr, head - num_retrieval, kv_head, num_streaming,
-                                        ring_offset, page_heads, sink, recent, qk_scale, 1.0 / k_scale, 1.0 / v_scale,
-                                        stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rkv, stride_rr,
-                                        stride_rh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, FP8)
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
+                                        head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
+                                        recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -214,29 +190,26 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
-def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                      heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, scale: float, output: torch.Tensor, min_query_len: int = 1,
-                      streaming_only: bool = False, ring_cache: torch.Tensor | None = None,
+def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
+                      min_query_len: int = 1, streaming_only: bool = False, stream_cache: torch.Tensor | None = None,
                       quant: KVQuant | None = None) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
-    The retrieval K/V of the batch must already be in the cache (`write_retrieval_kv`); the
-    streaming ring must still hold the state before this step (`write_streaming_kv` runs after).
+    The batch's K/V must already be in the cache (`write_kv`).
 
     Args:
-        query: `[num_tokens, num_heads, head_dim]`; key, value: `[num_tokens, num_kv_heads, head_dim]`.
+        query: `[num_tokens, num_heads, head_dim]`.
         cache: `[num_blocks, 2, block_size, P, head_dim]`.
         heads: the layer's head maps (index tensors on the cache's device).
         query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         min_query_len: 2 when decode.py serves the single-token requests.
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
-        ring_cache: the cache whose streaming blocks hold the layer's ring (default `cache`).
+        stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
     """
-    ring_cache = check_attention(query, key, value, output, cache, ring_cache, heads.recent, heads.num_streaming > 0,
-                                 query_start_loc, seq_lens, block_table)
+    stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
     num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
     head_offset = heads.num_retrieval if streaming_only else 0
     num_heads = heads.num_retrieval + heads.num_streaming - head_offset
@@ -248,13 +221,12 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block_q = block_m // G
     num_tiles = num_tokens // block_q + num_reqs
     _prefill_kernel[(num_tiles, num_heads)](
-        query, key, value, cache, ring_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
-        seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
-        num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.streaming_blocks, heads.ring_offset,
-        ring_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        output.stride(0), output.stride(1), block_table.stride(0),
+        query, cache, stream_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
+        block_table, *scale_tensors(quant, cache), scale * LOG2E,
+        num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset,
+        stream_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        ring_cache.stride(0), ring_cache.stride(1), ring_cache.stride(2), ring_cache.stride(3),
+        stream_cache.stride(0), stream_cache.stride(1), stream_cache.stride(2), stream_cache.stride(3),
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), **cfg)

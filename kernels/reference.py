@@ -1,19 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """Plain PyTorch duo attention over the duo cache layout: the CPU path and the kernels' reference.
 
-Layout (see vllm_duo/kv_cache.py): a layer's cache is `[num_blocks, 2, block_size, P, head_dim]`;
-a request's block table row is `[E streaming blocks | retrieval blocks ...]`. A layer's streaming
-ring lives in the E streaming blocks of a ring cache (its own cache or another layer's, which
-the layers share), starting `ring_offset` cells in.
+Layout (see vllm_duo/kv_cache.py): a layer's cache is `[num_blocks, 2, block_size, P, head_dim]`. A
+request's block table row gives each token block t `stride` = 1 + m columns: its retrieval page at
+column t * stride, then the m blocks of its streaming page group. The streaming K/V of all layers for
+those block_size positions is pooled in the group's blocks of a host layer's cache (the layer's own
+or another's: the stream cache), the layer's cells from `stream_offset` on. Streaming pages that no
+later query can see are freed (their columns go stale or null) and never read.
 
 Masks, with q and k token positions of one request:
 * retrieval heads: k <= q (causal over the whole context);
 * streaming heads: k <= q and (k < sink or k > q - recent)  (the Λ mask), per token, so the
   result does not depend on how a prompt is split into chunks.
 
-An fp8 cache (`torch.float8_e4m3fn` or `float8_e5m2`) stores `fp8(x / scale)` with vLLM's per-layer
-k/v scales (`KVQuant`). Attention sees every key and value as stored, the chunk's own included,
-as vLLM's dense backends do (they write the cache before they read it).
+A step first stores its tokens' K/V (pages and streaming pages), then attends to the cache alone. An
+fp8 cache (`torch.float8_e4m3fn` or `float8_e5m2`) stores `fp8(x / scale)` with vLLM's per-layer k/v
+scales (`KVQuant`), so attention sees every key and value as stored, as vLLM's dense backends do.
 """
 
 from __future__ import annotations
@@ -65,14 +67,10 @@ def from_cache(stored: torch.Tensor, scale) -> torch.Tensor:
     return stored.float() * scale if stored.dtype in FP8_DTYPES else stored
 
 
-def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, scale, toward_zero: bool = False) -> torch.Tensor:
-    """K or V as attention sees it once it is in a cache of `cache_dtype`."""
-    return from_cache(to_cache(x, cache_dtype, scale, toward_zero), scale).to(x.dtype)
-
-
 @dataclass(frozen=True)
 class LayerHeads:
-    """Which KV heads of one layer are retrieval / streaming, and the query heads that go with them.
+    """Which KV heads of one layer are retrieval / streaming, the query heads that go with them, and where the
+    layer's streaming K/V sits in a token block's page group.
 
     `retrieval_kv` and `streaming_kv` index the model's KV heads; `retrieval_q` and `streaming_q`
     list each group's query heads in the same order (query head i of a group belongs to its
@@ -84,14 +82,14 @@ class LayerHeads:
     retrieval_q: torch.Tensor
     streaming_q: torch.Tensor
     group_size: int
-    ring_offset: int
-    streaming_blocks: int
+    stride: int  # block table columns per token block: the retrieval page and m streaming blocks
+    stream_offset: int  # the layer's first cell in a page group of its stream cache
     sink: int
     recent: int
 
     @classmethod
-    def build(cls, retrieval: list[int], num_kv_heads: int, num_heads: int, streaming_blocks: int, sink: int,
-              recent: int, ring_offset: int = 0, device="cpu") -> LayerHeads:
+    def build(cls, retrieval: list[int], num_kv_heads: int, num_heads: int, stride: int, sink: int, recent: int,
+              stream_offset: int = 0, device="cpu") -> LayerHeads:
         group = num_heads // num_kv_heads
         streaming = [h for h in range(num_kv_heads) if h not in set(retrieval)]
 
@@ -102,7 +100,7 @@ class LayerHeads:
             return torch.tensor(kv, dtype=torch.long, device=device)
 
         return cls(kv_heads(retrieval), kv_heads(streaming), q_heads(retrieval), q_heads(streaming),
-                   group, ring_offset, streaming_blocks, sink, recent)
+                   group, stride, stream_offset, sink, recent)
 
     @property
     def num_retrieval(self) -> int:
@@ -113,87 +111,66 @@ class LayerHeads:
         return self.streaming_kv.numel()
 
 
-def ring_positions(num_cached: int, sink: int, recent: int, device="cpu") -> torch.Tensor:
-    """Token position held by each ring slot after `num_cached` tokens were written; -1 if empty.
+def visible_streaming_positions(num_cached: int, seq_len: int, sink: int, recent: int, device="cpu") -> torch.Tensor:
+    """Positions some query in [num_cached, seq_len) sees through the Λ mask: the sinks and the last window."""
+    window_start = min(max(sink, num_cached - recent + 1), seq_len)
+    return torch.cat([torch.arange(min(sink, seq_len), device=device),
+                      torch.arange(window_start, seq_len, device=device)])
 
-    Slots [0, sink) hold positions [0, sink); slot sink + r holds the latest position
-    p >= sink with (p - sink) % recent == r.
+
+def retrieval_pages(table_row: torch.Tensor, positions: torch.Tensor, stride: int, block_size: int):
+    """(block, row) of each position's retrieval page row."""
+    return table_row[positions // block_size * stride], positions % block_size
+
+
+def stream_cells(table_row: torch.Tensor, positions: torch.Tensor, heads: int, stride: int, block_size: int,
+                 page_heads: int, offset: int):
+    """(block, row, head) stream-cache coordinates of `positions` x streaming heads [0, heads).
+
+    A token block's streaming K/V is `[block_size slots, heads]`, flattened from cell `offset` on over
+    its m page-group blocks (columns t * stride + 1 ...), `page_heads` cells per row.
     """
-    sinks = torch.arange(sink, device=device)
-    sinks = torch.where(sinks < num_cached, sinks, -1)
-    r = torch.arange(recent, device=device)
-    last = num_cached - 1 - sink - r
-    recents = torch.where(last >= 0, sink + r + recent * torch.div(last.clamp(min=0), recent, rounding_mode="floor"), -1)
-    return torch.cat([sinks, recents])
-
-
-def ring_slots(positions: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
-    """Ring slot of each position (positions past the sink need recent > 0)."""
-    wrapped = sink + (positions - sink) % max(recent, 1)
-    return torch.where(positions < sink, positions, wrapped)
-
-
-def ring_cells(stream_blocks: torch.Tensor, slots: torch.Tensor, heads: int, block_size: int, page_heads: int,
-               offset: int):
-    """(block, row, head) ring-cache coordinates of ring `slots` x streaming heads [0, heads).
-
-    The ring is `[W, heads]` flattened from cell `offset` on over the E streaming blocks of the
-    ring cache, `page_heads` cells per row.
-    """
-    flat = offset + slots[:, None] * heads + torch.arange(heads, device=slots.device)[None, :]
+    flat = offset + (positions % block_size)[:, None] * heads + torch.arange(heads, device=positions.device)[None, :]
     per_block = block_size * page_heads
-    block = stream_blocks[flat // per_block]
-    row = (flat % per_block) // page_heads
-    head = flat % page_heads
-    return block, row, head
+    column = (positions // block_size * stride + 1)[:, None] + flat // per_block
+    return table_row[column], (flat % per_block) // page_heads, flat % page_heads
 
 
-def write_retrieval(cache: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor,
-                    key: torch.Tensor, value: torch.Tensor, quant: KVQuant | None = None) -> None:
-    """Store retrieval K/V `[n, R, D]` of `positions` in the request's retrieval `blocks`."""
+def write_retrieval(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, stride: int, quant: KVQuant | None = None) -> None:
+    """Store retrieval K/V `[n, R, D]` of `positions` in their retrieval pages."""
     quant = quant or KVQuant()
-    block_size = cache.shape[2]
-    block = blocks[positions // block_size][:, None]
-    row = (positions % block_size)[:, None]
+    block, row = retrieval_pages(table_row, positions, stride, cache.shape[2])
     head = torch.arange(key.shape[1], device=key.device)[None, :]
-    cache[block, 0, row, head] = to_cache(key, cache.dtype, quant.k_scale, quant.toward_zero)
-    cache[block, 1, row, head] = to_cache(value, cache.dtype, quant.v_scale, quant.toward_zero)
+    cache[block[:, None], 0, row[:, None], head] = to_cache(key, cache.dtype, quant.k_scale, quant.toward_zero)
+    cache[block[:, None], 1, row[:, None], head] = to_cache(value, cache.dtype, quant.v_scale, quant.toward_zero)
 
 
-def read_retrieval(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int, heads: int,
+def read_retrieval(cache: torch.Tensor, table_row: torch.Tensor, num_tokens: int, heads: int, stride: int,
                    quant: KVQuant | None = None):
     """Retrieval K/V `[num_tokens, heads, D]` of positions [0, num_tokens), as attention sees them."""
     quant = quant or KVQuant()
     block_size = cache.shape[2]
-    pages = cache[blocks[: (num_tokens + block_size - 1) // block_size], :, :, :heads]
+    pages = cache[table_row[: (num_tokens + block_size - 1) // block_size * stride: stride], :, :, :heads]
     kv = pages.transpose(0, 1).reshape(2, -1, heads, cache.shape[-1])[:, :num_tokens]
     return from_cache(kv[0], quant.k_scale), from_cache(kv[1], quant.v_scale)
 
 
-def write_streaming(cache: torch.Tensor, stream_blocks: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, seq_len: int, sink: int, recent: int, offset: int = 0,
-                    quant: KVQuant | None = None) -> None:
-    """Store the streaming K/V `[n, S, D]` that future queries can still see: sinks and the last `recent`."""
+def write_streaming(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, stride: int, offset: int = 0, quant: KVQuant | None = None) -> None:
+    """Store streaming K/V `[n, S, D]` of `positions` in their token blocks' page groups of the stream cache."""
     quant = quant or KVQuant()
-    keep = (positions < sink) | (positions >= seq_len - recent)
-    positions, key, value = positions[keep], key[keep], value[keep]
-    if positions.numel() == 0:
-        return
-    block, row, head = ring_cells(stream_blocks, ring_slots(positions, sink, recent), key.shape[1],
-                                  cache.shape[2], cache.shape[3], offset)
+    block, row, head = stream_cells(table_row, positions, key.shape[1], stride, cache.shape[2], cache.shape[3], offset)
     cache[block, 0, row, head] = to_cache(key, cache.dtype, quant.k_scale, quant.toward_zero)
     cache[block, 1, row, head] = to_cache(value, cache.dtype, quant.v_scale, quant.toward_zero)
 
 
-def read_streaming(cache: torch.Tensor, stream_blocks: torch.Tensor, num_cached: int, heads: int,
-                   sink: int, recent: int, offset: int = 0, quant: KVQuant | None = None):
-    """Ring K/V `[W', heads, D]` as attention sees them and their positions `[W']`, empty slots dropped."""
+def read_streaming(cache: torch.Tensor, table_row: torch.Tensor, positions: torch.Tensor, heads: int, stride: int,
+                   offset: int = 0, quant: KVQuant | None = None):
+    """Streaming K/V `[n, heads, D]` of `positions`, as attention sees them."""
     quant = quant or KVQuant()
-    positions = ring_positions(num_cached, sink, recent, device=cache.device)
-    slots = torch.nonzero(positions >= 0).flatten()
-    block, row, head = ring_cells(stream_blocks, slots, heads, cache.shape[2], cache.shape[3], offset)
-    return (from_cache(cache[block, 0, row, head], quant.k_scale), from_cache(cache[block, 1, row, head], quant.v_scale),
-            positions[slots])
+    block, row, head = stream_cells(table_row, positions, heads, stride, cache.shape[2], cache.shape[3], offset)
+    return from_cache(cache[block, 0, row, head], quant.k_scale), from_cache(cache[block, 1, row, head], quant.v_scale)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor,
@@ -217,8 +194,12 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: t
 def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                   heads: LayerHeads, query_start_loc: list[int], seq_lens: list[int],
                   block_table: torch.Tensor, scale: float, output: torch.Tensor,
-                  ring_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
-    """Write the chunk's K/V into the duo cache and attend, request by request.
+                  stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
+    """Write the batch's K/V into the duo cache, then attend to the cache, request by request.
+
+    Every request's K/V is stored before any request attends: with prefix caching a request can hit
+    blocks that another request of the same batch fills in this very step (vLLM hashes blocks when it
+    schedules them), as vLLM's dense backends write the whole batch before they attend.
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`
@@ -226,39 +207,39 @@ def duo_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         cache: `[num_blocks, 2, block_size, P, head_dim]`
         query_start_loc: `[num_reqs + 1]` token offsets of each request's queries.
         seq_lens: `[num_reqs]` context length of each request after this step.
-        block_table: `[num_reqs, max_blocks]`, E streaming blocks then retrieval blocks.
+        block_table: `[num_reqs, max_blocks]`, `heads.stride` columns per token block.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
-        ring_cache: the cache whose streaming blocks hold this layer's ring (default `cache`).
+        stream_cache: the cache whose page groups hold this layer's streaming K/V (default `cache`).
         quant: scales and rounding of an fp8 cache (ignored for others).
     """
     quant = quant or KVQuant()
-    E = heads.streaming_blocks
-    ring_cache = cache if ring_cache is None else ring_cache
+    stream_cache = cache if stream_cache is None else stream_cache
+    requests = []
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        if end == start:
-            continue
-        num_cached = seq_len - (end - start)
-        positions = torch.arange(num_cached, seq_len, device=query.device)
-        q, k, v = query[start:end], key[start:end], value[start:end]
-        row = block_table[i].long()
+        if end > start:
+            requests.append((start, end, seq_len, block_table[i].long(),
+                             torch.arange(seq_len - (end - start), seq_len, device=query.device)))
+    for start, end, _, row, positions in requests:
+        k, v = key[start:end], value[start:end]
         if heads.num_retrieval:
-            blocks = row[E:]
-            write_retrieval(cache, blocks, positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv], quant)
-            k_all, v_all = read_retrieval(cache, blocks, seq_len, heads.num_retrieval, quant)
+            write_retrieval(cache, row, positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv], heads.stride,
+                            quant)
+        if heads.num_streaming:
+            write_streaming(stream_cache, row, positions, k[:, heads.streaming_kv], v[:, heads.streaming_kv],
+                            heads.stride, heads.stream_offset, quant)
+    for start, end, seq_len, row, positions in requests:
+        q = query[start:end]
+        if heads.num_retrieval:
+            k_all, v_all = read_retrieval(cache, row, seq_len, heads.num_retrieval, heads.stride, quant)
             k_pos = torch.arange(seq_len, device=query.device)
             out = attend(q[:, heads.retrieval_q], k_all, v_all, positions, k_pos, scale, heads.group_size)
             output[start:end, heads.retrieval_q] = out.to(output.dtype)
         if heads.num_streaming:
-            ring = row[:E]
-            k_new, v_new = k[:, heads.streaming_kv], v[:, heads.streaming_kv]
-            k_old, v_old, old_pos = read_streaming(ring_cache, ring, num_cached, heads.num_streaming,
-                                                   heads.sink, heads.recent, heads.ring_offset, quant)
-            k_seen = as_stored(k_new, ring_cache.dtype, quant.k_scale, quant.toward_zero)
-            v_seen = as_stored(v_new, ring_cache.dtype, quant.v_scale, quant.toward_zero)
-            out = attend(q[:, heads.streaming_q], torch.cat([k_old.to(k_new.dtype), k_seen]),
-                         torch.cat([v_old.to(v_new.dtype), v_seen]), positions, torch.cat([old_pos, positions]),
-                         scale, heads.group_size, heads.sink, heads.recent)
+            k_pos = visible_streaming_positions(seq_len - (end - start), seq_len, heads.sink, heads.recent,
+                                                query.device)
+            k_seen, v_seen = read_streaming(stream_cache, row, k_pos, heads.num_streaming, heads.stride,
+                                            heads.stream_offset, quant)
+            out = attend(q[:, heads.streaming_q], k_seen, v_seen, positions, k_pos, scale, heads.group_size,
+                         heads.sink, heads.recent)
             output[start:end, heads.streaming_q] = out.to(output.dtype)
-            write_streaming(ring_cache, ring, positions, k_new, v_new, seq_len, heads.sink, heads.recent,
-                            heads.ring_offset, quant)

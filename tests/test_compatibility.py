@@ -54,6 +54,8 @@ REFUSED_SETTINGS = {  # engine arguments: what the one-line error must say
     "lora": (dict(enable_lora=True), r"^--enable-lora: .* serve without LoRA"),
     "kv connector": (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
                      r"^--kv-transfer-config \(connector ExampleConnector\): .* leave it out$"),
+    "kv cache events": (dict(kv_events_config={"enable_kv_cache_events": True}),
+                        r"^--kv-events-config with enable_kv_cache_events: .* leave the events off$"),
     "pipeline parallelism": (dict(pipeline_parallel_size=2), r"^--pipeline-parallel-size: .* --tensor-parallel-size"),
 }
 
@@ -133,4 +135,4 @@ def test_fp8_needs_an_fp8_capable_gpu(fp8_config):
 def test_supported_settings_build(engine_args, smollm2_dir):
     config = build_config(smollm2_dir, **engine_args)
     assert config.cache_config.cache_dtype == engine_args.get("kv_cache_dtype", "auto")
-    assert not config.cache_config.enable_prefix_caching  # turned off for duo, with a logged reason
+    assert config.cache_config.enable_prefix_caching  # vLLM's default stays on under duo

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its CPU interpreter without a GPU)")
 
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
-from vllm_duo.kernels.cache_write import write_retrieval_kv, write_streaming_kv  # noqa: E402
+from vllm_duo.kernels.cache_write import write_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
 from vllm_duo.kernels.reference import (KVQuant, LayerHeads, duo_attention, quantize, write_retrieval,  # noqa: E402
@@ -41,7 +41,7 @@ class Preset:
     sink: int = 4
     recent: int = 16
     page_heads: int | None = None  # default max(R, 1)
-    ring_host: tuple[int, int] | None = None  # (page heads, offset): the ring pooled in another layer's cache
+    stream_host: tuple[int, int] | None = None  # (page heads, offset): streaming K/V pooled in another layer's cache
 
 
 # Small shapes for the interpreter. W = sink + recent = 20 unless said otherwise; most contexts exceed it.
@@ -51,16 +51,17 @@ PRESETS = {
     "prefill_only": Preset(12, 4, (1, 2), ((0, 40), (0, 7), (0, 70))),
     "chunked_mixed": Preset(8, 4, (3,), ((50, 30), (20, 1), (3, 17), (0, 1), (33, 45))),
     "all_retrieval": Preset(4, 2, (0, 1), ((30, 20), (40, 1), (0, 33))),
-    "all_streaming_odd_ring": Preset(6, 2, (), ((30, 20), (40, 1), (0, 50)), sink=1, recent=7),
+    "all_streaming_odd_window": Preset(6, 2, (), ((30, 20), (40, 1), (0, 50)), sink=1, recent=7),
     "head_dim_128": Preset(4, 2, (1,), ((20, 10), (25, 1)), head_dim=128),
     "head_dim_80_wide_pages": Preset(6, 3, (2,), ((70, 5), (10, 1), (0, 9)), head_dim=80, block_size=32,
                                      page_heads=3, sink=8, recent=24),
     "graph_padding": Preset(12, 4, (0, 2), ((12, 1), (40, 1), (0, 0), (0, 0))),
-    "pooled_ring": Preset(8, 4, (0,), ((50, 30), (20, 1), (0, 9)), ring_host=(3, 37)),
-    "pooled_ring_streaming_layer": Preset(6, 3, (), ((33, 20), (45, 1), (0, 24)), ring_host=(2, 5)),
+    "pooled_streaming": Preset(8, 4, (0,), ((50, 30), (20, 1), (0, 9)), stream_host=(3, 37)),
+    "pooled_streaming_layer": Preset(6, 3, (), ((33, 20), (45, 1), (0, 24)), stream_host=(2, 5)),
+    "groups_of_three": Preset(8, 4, (1,), ((60, 7), (90, 1)), stream_host=(1, 4)),  # 3 blocks per page group
 }
 
-# Full shapes for CUDA: Llama-3.1-8B heads (GQA 4), half the KV heads retrieval, long rings.
+# Full shapes for CUDA: Llama-3.1-8B heads (GQA 4), half the KV heads retrieval, long windows.
 GPU_PRESETS = {
     "llama_decode": Preset(32, 8, (0, 3, 4, 6), tuple((n, 1) for n in (4000, 77, 1500, 2049, 320, 321, 9000)),
                            head_dim=128, sink=64, recent=256),
@@ -97,7 +98,7 @@ class Case:
     seq_lens: list[int]
     scale: float
     device: torch.device = field(default=CPU)
-    ring: torch.Tensor | None = None  # another layer's cache holding the ring; None: in `cache`
+    stream: torch.Tensor | None = None  # another layer's cache holding the streaming K/V; None: in `cache`
     quant: KVQuant | None = None  # scales of an fp8 cache
 
     @property
@@ -112,19 +113,19 @@ class Case:
         return torch.full_like(self.query, float("nan"))
 
     def fresh_caches(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copies of the cache and the ring cache (None when the ring is in the cache) before the step."""
-        return self.cache.clone(), None if self.ring is None else self.ring.clone()
+        """Copies of the cache and the stream cache (None when the streaming K/V is in the cache) before the step."""
+        return self.cache.clone(), None if self.stream is None else self.stream.clone()
 
     def reference(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
         """Reference output and the caches after the step (the case's own caches stay untouched)."""
-        (cache, ring), out = self.fresh_caches(), torch.zeros_like(self.query)
+        (cache, stream), out = self.fresh_caches(), torch.zeros_like(self.query)
         duo_attention(self.query, self.key, self.value, cache, self.heads, self.query_start_loc, self.seq_lens,
-                      self.block_table, self.scale, out, ring_cache=ring, quant=self.quant)
-        return out, (cache, ring)
+                      self.block_table, self.scale, out, stream_cache=stream, quant=self.quant)
+        return out, (cache, stream)
 
 
 def assert_caches_equal(caches, expected) -> None:
-    """Bit for bit (fp8 caches compared as bytes)."""
+    """Bit for bit (fp8 caches compared as bytes; NaN poison compares equal to itself)."""
     for got, want in zip(caches, expected):
         assert (got is None and want is None) or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -135,28 +136,45 @@ def fused_qkv(num_tokens: int, p: Preset, dtype, device):
     return qkv.split([p.num_heads, p.num_kv_heads, p.num_kv_heads], dim=1)
 
 
+def poison(cache: torch.Tensor) -> torch.Tensor:
+    """Block 0 (vLLM's null block, and where freed streaming pages point here) holds NaN: reading it shows."""
+    cache[0] = float("nan")
+    return cache
+
+
+def free_streaming_pages(table: torch.Tensor, cached: list[int], p: Preset, stride: int) -> None:
+    """Point the streaming page groups that no query of the step can see at the poison block, as the manager frees
+    them: token blocks past the sink blocks and wholly before the next query's window (kv_cache.py)."""
+    sink_blocks = -(-p.sink // p.block_size)
+    for i, num_cached in enumerate(cached):
+        for t in range(sink_blocks, max(0, num_cached - p.recent + 1) // p.block_size):
+            table[i, t * stride + 1:(t + 1) * stride] = 0
+
+
 def make_case(p: Preset, dtype=torch.float32, device=CPU, kv_dtype=None, quant: KVQuant | None = None) -> Case:
     """A case whose cache has `kv_dtype` (default `dtype`; fp8 caches use `quant`'s scales)."""
     kv_dtype = kv_dtype or dtype
     R, S = len(p.retrieval), p.num_kv_heads - len(p.retrieval)
     P = p.page_heads or max(R, 1)
-    ring_heads, ring_offset = p.ring_host or (P, 0)
-    E = -(-(ring_offset + (p.sink + p.recent) * S) // (p.block_size * ring_heads)) if S else 0
-    heads = LayerHeads.build(list(p.retrieval), p.num_kv_heads, p.num_heads, E, p.sink, p.recent, ring_offset,
+    stream_heads, stream_offset = p.stream_host or (P, 0)
+    m = -(-(stream_offset + p.block_size * S) // (p.block_size * stream_heads)) if S else 0
+    stride = 1 + m
+    heads = LayerHeads.build(list(p.retrieval), p.num_kv_heads, p.num_heads, stride, p.sink, p.recent, stream_offset,
                              device=device)
     seq_lens = [c + n for c, n in p.requests]
-    counts = [E + -(-s // p.block_size) if s else 0 for s in seq_lens]
-    num_blocks = 1 + sum(counts) + 3  # block 0 stays unused, a few spare blocks
+    counts = [-(-s // p.block_size) * stride for s in seq_lens]
+    num_blocks = 1 + sum(counts) + 3  # block 0 is the poison (null) block, a few spare blocks
     ids = (torch.randperm(num_blocks - 1) + 1).tolist()
     table = torch.zeros(len(p.requests), max(counts) + 2, dtype=torch.int32)
     for i, n in enumerate(counts):
         table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
         ids = ids[n:]
     table = table.to(device)
-    cache = torch.randn(num_blocks, 2, p.block_size, P, p.head_dim, dtype=dtype, device=device).to(kv_dtype)
-    ring = None
-    if p.ring_host:
-        ring = torch.randn(num_blocks, 2, p.block_size, ring_heads, p.head_dim, dtype=dtype, device=device).to(kv_dtype)
+    cache = poison(torch.randn(num_blocks, 2, p.block_size, P, p.head_dim, dtype=dtype, device=device).to(kv_dtype))
+    stream = None
+    if p.stream_host:
+        stream = poison(torch.randn(num_blocks, 2, p.block_size, stream_heads, p.head_dim, dtype=dtype,
+                                    device=device).to(kv_dtype))
     scale = p.head_dim ** -0.5
 
     cached = [c for c, _ in p.requests]
@@ -165,13 +183,14 @@ def make_case(p: Preset, dtype=torch.float32, device=CPU, kv_dtype=None, quant: 
         starts = [0]
         for c in cached:
             starts.append(starts[-1] + c)
-        duo_attention(q, k, v, cache, heads, starts, cached, table, scale, torch.empty_like(q), ring_cache=ring,
+        duo_attention(q, k, v, cache, heads, starts, cached, table, scale, torch.empty_like(q), stream_cache=stream,
                       quant=quant)
+        free_streaming_pages(table, cached, p, stride)
     starts = [0]
     for _, n in p.requests:
         starts.append(starts[-1] + n)
     q, k, v = fused_qkv(starts[-1], p, dtype, device)
-    return Case(p, heads, cache, table, q, k, v, starts, seq_lens, scale, device, ring, quant)
+    return Case(p, heads, cache, table, q, k, v, starts, seq_lens, scale, device, stream, quant)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
@@ -190,35 +209,40 @@ def decode_rows(case: Case) -> torch.Tensor:
 
 
 def run_duo(case: Case, cache: torch.Tensor, max_num_splits: int | None = None,
-            ring: torch.Tensor | None = None) -> torch.Tensor:
+            stream: torch.Tensor | None = None) -> torch.Tensor:
     out = case.poisoned_output()
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
     duo_attention_triton(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits, ring_cache=ring,
+                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits, stream_cache=stream,
                          quant=case.quant)
     return out
 
 
+def written_caches(case: Case, quant: KVQuant | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The case's caches after `write_kv` of its step (what attention then reads)."""
+    cache, stream = case.fresh_caches()
+    write_kv(case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table, stream, quant)
+    return cache, stream
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_cache_write(name):
+    """One launch writes both kinds, byte for byte as the reference's per-request writes."""
     case = make_case(PRESETS[name])
-    ref, ref_ring = case.fresh_caches()
-    cache, ring = case.fresh_caches()
-    ref_ring_or_cache = ref if ref_ring is None else ref_ring
-    heads, E = case.heads, case.heads.streaming_blocks
+    ref, ref_stream = case.fresh_caches()
+    heads = case.heads
     for i, seq_len in enumerate(case.seq_lens):
         start, end = case.query_start_loc[i], case.query_start_loc[i + 1]
         positions = torch.arange(seq_len - (end - start), seq_len)
         k, v, row = case.key[start:end], case.value[start:end], case.block_table[i].long()
-        write_retrieval(ref, row[E:], positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv])
+        write_retrieval(ref, row, positions, k[:, heads.retrieval_kv], v[:, heads.retrieval_kv], heads.stride)
         if heads.num_streaming:
-            write_streaming(ref_ring_or_cache, row[:E], positions, k[:, heads.streaming_kv],
-                            v[:, heads.streaming_kv], seq_len, heads.sink, heads.recent, heads.ring_offset)
-    write_retrieval_kv(case.key, case.value, cache, heads.retrieval_kv, case.qsl, case.sl, case.block_table, E)
-    if heads.num_streaming:
-        write_streaming_kv(case.key, case.value, cache if ring is None else ring, heads.streaming_kv, case.qsl,
-                           case.sl, case.block_table, heads.sink, heads.recent, heads.ring_offset)
-    assert_caches_equal((cache, ring), (ref, ref_ring))
+            write_streaming(ref if ref_stream is None else ref_stream, row, positions, k[:, heads.streaming_kv],
+                            v[:, heads.streaming_kv], heads.stride, heads.stream_offset)
+    if heads.num_retrieval == 0 and case.stream is not None:  # the layer's cache is then a stub: writes go elsewhere
+        case = Case(**{**case.__dict__, "cache": case.stream, "stream": None})
+        ref, ref_stream = ref_stream, None
+    assert_caches_equal(written_caches(case), (ref, ref_stream))
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -226,11 +250,11 @@ def test_prefill_kernel(name):
     """The prefill kernel alone serves any query length (min_query_len=1), decode requests included."""
     case = make_case(PRESETS[name])
     ref, _ = case.reference()
-    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
-    write_retrieval_kv(case.key, case.value, cache, case.heads.retrieval_kv, case.qsl, case.sl, case.block_table,
-                       case.heads.streaming_blocks)
-    prefill_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                      case.scale, out, ring_cache=ring)
+    (cache, stream), out = written_caches(case), case.poisoned_output()
+    if case.heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it reads
+        cache, stream = stream, None
+    prefill_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+                      stream_cache=stream)
     assert_close(out, ref, torch.float32)
 
 
@@ -239,9 +263,11 @@ def test_prefill_kernel_streaming_only(name):
     """With the retrieval heads left to FlashAttention, the kernel writes the streaming heads and nothing else."""
     case = make_case(PRESETS[name])
     ref, _ = case.reference()
-    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
-    prefill_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                      case.scale, out, streaming_only=True, ring_cache=ring)
+    (cache, stream), out = written_caches(case), case.poisoned_output()
+    if case.heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it reads
+        cache, stream = stream, None
+    prefill_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+                      streaming_only=True, stream_cache=stream)
     streaming_q = case.heads.streaming_q
     if streaming_q.numel():
         assert_close(out[:, streaming_q], ref[:, streaming_q], torch.float32)
@@ -257,9 +283,11 @@ def test_decode_kernel_streaming_only(name):
     if rows.numel() == 0 or case.heads.num_streaming == 0:
         pytest.skip("no decode request or no streaming head")
     ref, _ = case.reference()
-    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
-    decode_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                     case.scale, out, 3, ring_cache=ring, streaming_only=True)
+    (cache, stream), out = written_caches(case), case.poisoned_output()
+    if case.heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it reads
+        cache, stream = stream, None
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out, 3,
+                     stream_cache=stream, streaming_only=True)
     streaming_q = case.heads.streaming_q
     assert_close(out[rows][:, streaming_q], ref[rows][:, streaming_q], torch.float32)
     written = torch.zeros_like(out, dtype=torch.bool)
@@ -276,11 +304,11 @@ def test_decode_kernel(name, splits):
     if rows.numel() == 0:
         pytest.skip("no decode requests in this batch")
     ref, _ = case.reference()
-    (cache, ring), out = case.fresh_caches(), case.poisoned_output()
-    write_retrieval_kv(case.key, case.value, cache, case.heads.retrieval_kv, case.qsl, case.sl, case.block_table,
-                       case.heads.streaming_blocks)
-    decode_attention(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                     case.scale, out, splits, ring_cache=ring)
+    (cache, stream), out = written_caches(case), case.poisoned_output()
+    if case.heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it reads
+        cache, stream = stream, None
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out, splits,
+                     stream_cache=stream)
     assert_close(out[rows], ref[rows], torch.float32)
     others = torch.ones(out.shape[0], dtype=torch.bool)
     others[rows] = False
@@ -291,21 +319,21 @@ def test_decode_kernel(name, splits):
 def test_duo_attention_triton(name):
     case = make_case(PRESETS[name])
     ref, ref_caches = case.reference()
-    cache, ring = case.fresh_caches()
-    out = run_duo(case, cache, max_num_splits=2, ring=ring)
+    cache, stream = case.fresh_caches()
+    out = run_duo(case, cache, max_num_splits=2, stream=stream)
     assert_close(out, ref, torch.float32)
-    assert_caches_equal((cache, ring), ref_caches)
+    assert_caches_equal((cache, stream), ref_caches)
 
 
-def test_layer_without_pages_reads_only_its_ring():
-    """A layer with no retrieval heads gets a stub cache (kv_cache.py): only the pooled ring is touched."""
-    case = make_case(PRESETS["pooled_ring_streaming_layer"])
+def test_layer_without_pages_reads_only_its_stream_cache():
+    """A layer with no retrieval heads gets a stub cache (kv_cache.py): only the pooled streaming pages are touched."""
+    case = make_case(PRESETS["pooled_streaming_layer"])
     ref, ref_caches = case.reference()
     stub = torch.zeros(case.cache.shape[0], 2, case.preset.block_size, 1, 1)
-    _, ring = case.fresh_caches()
-    out = run_duo(case, stub, ring=ring)
+    _, stream = case.fresh_caches()
+    out = run_duo(case, stub, stream=stream)
     assert_close(out, ref, torch.float32)
-    assert torch.equal(ring, ref_caches[1]) and not stub.any()
+    assert_caches_equal((stream,), ref_caches[1:]) and not stub.any()
 
 
 def test_duo_attention_triton_fp16():
@@ -313,7 +341,7 @@ def test_duo_attention_triton_fp16():
     ref, ref_caches = case.reference()
     cache, _ = case.fresh_caches()
     assert_close(run_duo(case, cache, max_num_splits=2), ref, torch.float16)
-    assert torch.equal(cache, ref_caches[0])
+    assert_caches_equal((cache,), ref_caches[:1])
 
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -321,42 +349,35 @@ SCALES = KVQuant(k_scale=0.37, v_scale=2.5)  # unequal, not powers of two: a swa
 
 
 @pytest.mark.parametrize("kv_dtype", FP8)
-@pytest.mark.parametrize("name", ["chunked_mixed", "pooled_ring", "all_streaming_odd_ring", "decode_gqa3"])
+@pytest.mark.parametrize("name", ["chunked_mixed", "pooled_streaming", "all_streaming_odd_window", "decode_gqa3"])
 def test_cache_write_fp8(name, kv_dtype):
     """The write kernel stores `x / scale` rounded to nearest even, byte for byte as the reference does."""
     case = make_case(PRESETS[name], kv_dtype=kv_dtype, quant=SCALES)
-    _, (ref, ref_ring) = case.reference()
-    cache, ring = case.fresh_caches()
-    heads, E = case.heads, case.heads.streaming_blocks
-    write_retrieval_kv(case.key, case.value, cache, heads.retrieval_kv, case.qsl, case.sl, case.block_table, E,
-                       SCALES)
-    if heads.num_streaming:
-        write_streaming_kv(case.key, case.value, cache if ring is None else ring, heads.streaming_kv, case.qsl,
-                           case.sl, case.block_table, heads.sink, heads.recent, heads.ring_offset, SCALES)
-    assert_caches_equal((cache, ring), (ref, ref_ring))
+    _, ref_caches = case.reference()
+    assert_caches_equal(written_caches(case, SCALES), ref_caches)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8)
 @pytest.mark.parametrize("name", PRESETS)
 def test_duo_attention_triton_fp8(name, kv_dtype):
-    """Kernels on an fp8 cache: pages and rings dequantized in registers, the chunk's own keys rounded as stored."""
+    """Kernels on an fp8 cache: pages dequantized in registers, the chunk's own keys read back as stored."""
     case = make_case(PRESETS[name], kv_dtype=kv_dtype, quant=SCALES)
     ref, ref_caches = case.reference()
-    cache, ring = case.fresh_caches()
-    out = run_duo(case, cache, max_num_splits=2, ring=ring)
+    cache, stream = case.fresh_caches()
+    out = run_duo(case, cache, max_num_splits=2, stream=stream)
     assert_close(out, ref, torch.float32)
-    assert_caches_equal((cache, ring), ref_caches)
+    assert_caches_equal((cache, stream), ref_caches)
 
 
-@pytest.mark.parametrize("name", ["chunked_mixed", "pooled_ring", "decode_gqa3"])
+@pytest.mark.parametrize("name", ["chunked_mixed", "pooled_streaming", "decode_gqa3"])
 def test_bf16_queries_over_fp8_multiply_in_fp16(name):
     """bf16 models: queries and fp8 tiles meet in fp16 (kernels/cache_write.py FP8_COMPUTE), within bf16's tolerance."""
     case = make_case(PRESETS[name], dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, quant=SCALES)
     ref, ref_caches = case.reference()
-    cache, ring = case.fresh_caches()
-    out = run_duo(case, cache, max_num_splits=2, ring=ring)
+    cache, stream = case.fresh_caches()
+    out = run_duo(case, cache, max_num_splits=2, stream=stream)
     assert_close(out, ref, torch.bfloat16)
-    assert_caches_equal((cache, ring), ref_caches)
+    assert_caches_equal((cache, stream), ref_caches)
 
 
 def test_fp8_reference_sees_stored_values():
@@ -370,7 +391,7 @@ def test_fp8_reference_sees_stored_values():
                      "query": case.query / 4, "quant": KVQuant(4.0, 4.0)})
     scaled_out, _ = scaled.reference()
     torch.testing.assert_close(scaled_out / 4, out, rtol=1e-5, atol=1e-5)
-    exact = Case(**{**case.__dict__, "cache": case.cache.float(), "ring": None, "quant": None})
+    exact = Case(**{**case.__dict__, "cache": case.cache.float(), "stream": None, "quant": None})
     assert not torch.allclose(exact.reference()[0], out, atol=1e-3)
 
 
@@ -415,14 +436,13 @@ def test_steps_keep_cache_in_sync(chunks):
         step = Case(p, case.heads, cache, case.block_table, q, k, v, [0, n, n + m], list(seq), case.scale)
         out = run_duo(step, cache)
         assert_close(out, ref, torch.float32)
-    assert torch.equal(cache, ref_cache)
+    assert_caches_equal((cache,), (ref_cache,))
 
 
 def test_rejects_int64_metadata():
     case = make_case(PRESETS["decode_mha"])
     with pytest.raises(ValueError, match="int32"):
-        write_retrieval_kv(case.key, case.value, case.cache, case.heads.retrieval_kv, case.qsl.long(), case.sl,
-                           case.block_table, case.heads.streaming_blocks)
+        write_kv(case.key, case.value, case.cache, case.heads, case.qsl.long(), case.sl, case.block_table)
 
 
 CUDA = torch.device("cuda")
@@ -434,11 +454,11 @@ CUDA = torch.device("cuda")
 def test_duo_attention_triton_cuda(name, dtype):
     case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=dtype, device=CUDA)
     ref, ref_caches = case.reference()
-    cache, ring = case.fresh_caches()
-    out = run_duo(case, cache, ring=ring)
+    cache, stream = case.fresh_caches()
+    out = run_duo(case, cache, stream=stream)
     torch.cuda.synchronize()
     assert_close(out, ref, dtype)
-    assert_caches_equal((cache, ring), ref_caches)
+    assert_caches_equal((cache, stream), ref_caches)
 
 
 def cuda_scales() -> KVQuant:
@@ -465,12 +485,12 @@ def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
     """bf16 model, fp8 cache: the write rounds as torch does (byte-equal caches), attention matches the reference."""
     case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype,
                      quant=cuda_scales())
-    cache, ring = case.fresh_caches()
-    out = run_duo(case, cache, ring=ring)
+    cache, stream = case.fresh_caches()
+    out = run_duo(case, cache, stream=stream)
     torch.cuda.synchronize()
     ref, ref_caches = with_flash_fp8_queries(case).reference()
     assert_close(out, ref, torch.bfloat16)
-    assert_caches_equal((cache, ring), ref_caches)
+    assert_caches_equal((cache, stream), ref_caches)
 
 
 @pytest.mark.gpu

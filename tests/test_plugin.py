@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The plugin in a real vLLM engine: `attention_backend="duo"` parses, and every attention layer runs duo;
-vLLM's V2 model runner (the GPU default) sizes block table rows for duo's ring blocks too."""
+vLLM's V2 model runner (the GPU default) sizes block table rows for duo's streaming page groups too."""
 
 import gc
 from types import SimpleNamespace
@@ -38,10 +38,11 @@ class _WidthRecorded(Exception):
     """Stops the V2 runner's initialize_kv_cache once it has computed the block table widths."""
 
 
-@pytest.mark.parametrize("max_model_len, ring_blocks", [(2048, 30), (17000, 76), (1000, 0)])
-def test_v2_runner_rows_hold_ring_and_pages(monkeypatch, max_model_len, ring_blocks):
-    """A duo request's row is [E ring blocks | one per 16 tokens]: a row sized for max_model_len alone would spill
-    into the next request's row (seen on the H100 as wrong greedy text under load, right text when alone)."""
+@pytest.mark.parametrize("max_model_len, group_blocks", [(2048, 1), (17000, 2), (1000, 0)])
+def test_v2_runner_rows_hold_pages_and_page_groups(monkeypatch, max_model_len, group_blocks):
+    """A duo request's row has 1 + m columns per 16 tokens (page, streaming page group): a row sized for
+    max_model_len alone would spill into the next request's row (seen on the H100, with the earlier layout, as
+    wrong greedy text under load and right text alone)."""
     import vllm.plugins
     from vllm.v1.worker.gpu import model_runner
 
@@ -60,12 +61,12 @@ def test_v2_runner_rows_hold_ring_and_pages(monkeypatch, max_model_len, ring_blo
     monkeypatch.setattr(model_runner, "get_block_table_width", record_width)
     monkeypatch.setattr(model_runner, "init_attn_backend", stop)
     spec = DuoAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sink=64, recent=256,
-                            streaming_blocks=ring_blocks)
+                            streaming_blocks=group_blocks)
     config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1))
     runner = SimpleNamespace(max_model_len=max_model_len, is_encoder_decoder=False, dcp_size=1,
                              vllm_config=vllm_config, device=torch.device("cpu"))
     with pytest.raises(_WidthRecorded):
         model_runner.GPUModelRunner.initialize_kv_cache(runner, config)
-    assert widths == [-(-max_model_len // 16) + ring_blocks]
+    assert widths == [-(-max_model_len // 16) * (1 + group_blocks)]
     assert runner.max_model_len == max_model_len  # restored: the runner reads it elsewhere as the request limit

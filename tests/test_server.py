@@ -3,8 +3,9 @@
 
 One real server on 127.0.0.1 (SmolLM2, float32, duo at sparsity 0.5) per KV cache dtype (the model's, and fp8:
 `--kv-cache-dtype fp8`), each for all the module's server tests, with a KV cache of
-NUM_BLOCKS 16-token blocks. Each request holds its streaming ring (30 blocks) plus a block
-per 16 tokens, and `--long-prefill-token-threshold` admits a prompt with its first 64 tokens only: vLLM fills
+NUM_BLOCKS 16-token blocks. Each request holds a page per 16 tokens plus, for those of its sink and window, a
+streaming page group (one block each for this pattern), and `--long-prefill-token-threshold` admits a prompt
+with its first 64 tokens only: vLLM fills
 the cache with partly prefilled requests that then outgrow it, so it must preempt under load. Bad duo settings
 each get their own short-lived server process, which must exit non-zero before any model work with the problem
 named on its last line.
@@ -35,7 +36,7 @@ from vllm_duo.tools.processes import free_port
 MODEL = "smollm2"
 DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
 MAX_MODEL_LEN = 2048
-NUM_BLOCKS = 550  # about 15 short requests (30 ring blocks + one per 16 tokens each)
+NUM_BLOCKS = 300  # the load test needs it small enough to preempt (a 2,048-token request holds 149)
 MAX_NUM_SEQS = 16
 PREFILL_CHUNK = 64  # --long-prefill-token-threshold: prompt tokens per request and step
 NUM_CLIENTS = 64
@@ -217,8 +218,8 @@ def text_tokens(server: Server, text: str) -> list[int]:
 STARTUP_MEMORY_LINE = {  # per KV cache dtype: float32 KV (the model's) and fp8
     # dense 2 * 30 layers * 3 heads * 64 * 4 bytes per token; duo keeps 45 of the 90 heads per token and (64 + 256)
     # tokens of the other 45 per request. The paged figure is vLLM's "Maximum concurrency" ratio.
-    "auto": "duo: KV per token dense 45 KiB vs duo 22.5 KiB + 7.031 MiB streaming ring per request (4-byte KV); ",
-    "fp8": "duo: KV per token dense 11.25 KiB vs duo 5.625 KiB + 1.758 MiB streaming ring per request (1-byte KV); ",
+    "auto": "duo: KV per token dense 45 KiB vs duo 22.5 KiB + 7.031 MiB streaming window per request (4-byte KV); ",
+    "fp8": "duo: KV per token dense 11.25 KiB vs duo 5.625 KiB + 1.758 MiB streaming window per request (1-byte KV); ",
 }
 
 
@@ -317,6 +318,22 @@ def test_stop_sequence_and_max_tokens(server):
                                       extra_body={"ignore_eos": True})
     assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
     assert base.startswith(short.choices[0].text)
+
+
+def test_prefix_cache_hit_is_counted_and_answers_the_same(server, smollm2_dir):
+    """vLLM's prefix caching (on by default) under duo: a repeated long prompt hits the cache, vLLM's metrics count
+    the hit, and the answer is the one the first, uncached request got."""
+    from transformers import AutoTokenizer
+
+    prompt = text_of_tokens(AutoTokenizer.from_pretrained(smollm2_dir), 900, seed=99)
+    client = server.client()
+    params = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    hits_before = metric(server.port, "vllm:prefix_cache_hits_total") or 0
+    first = client.completions.create(**params).choices[0].text
+    again = client.completions.create(**params).choices[0].text
+    assert again == first
+    assert metric(server.port, "vllm:prefix_cache_hits_total") - hits_before >= len(prompt) // 16 * 16 - 16
+    assert metric(server.port, "vllm:prefix_cache_queries_total") >= 2 * len(prompt)
 
 
 def test_bad_requests_get_400_and_the_server_keeps_serving(server):
@@ -428,7 +445,7 @@ def test_concurrent_load_with_preemption_and_hang_ups(server, smollm2_dir):
     results = asyncio.run(run_all(server, jobs, clients))
     assert_alive(server)
 
-    # Nothing is left running, and no cache block or streaming ring is still held.
+    # Nothing is left running, and no page or streaming page group is still held.
     settled = wait_for(lambda: metric(port, "vllm:num_requests_running") == 0
                        and metric(port, "vllm:num_requests_waiting") == 0
                        and metric(port, "vllm:kv_cache_usage_perc") == 0)

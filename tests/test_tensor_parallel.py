@@ -53,14 +53,14 @@ def test_each_rank_maps_its_own_slice():
     assert plan.retrieval_heads(2) == [3]
 
 
-def test_pages_fit_the_busiest_rank_and_rings_the_most_streaming_heads():
+def test_pages_fit_the_busiest_rank_and_page_groups_the_most_streaming_heads():
     plan = plan_of(UNEVEN)
     layout = plan.page_layout(block_size=16, tp_size=2)
     assert layout.page_heads == (2, 1, 1)  # max over ranks of the local retrieval counts
-    ring_cells = [(4 + 12) * s for s in (2, 1, 2)]  # max over ranks of the local streaming counts
-    for layer, cells in enumerate(ring_cells):
-        ring = layout.rings[layer]
-        assert ring.offset + cells <= layout.streaming_blocks * 16 * layout.page_heads[ring.host]
+    streaming_cells = [16 * s for s in (2, 1, 2)]  # max over ranks of the local streaming counts, 16 slots each
+    for layer, cells in enumerate(streaming_cells):
+        placement = layout.placements[layer]
+        assert placement.offset + cells <= layout.streaming_blocks * 16 * layout.page_heads[placement.host]
     assert plan.page_layout(block_size=16).page_heads == (2, 2, 1)  # one rank: the real counts
 
 

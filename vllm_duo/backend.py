@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The duo attention backend: retrieval heads over paged blocks, streaming heads over a sink+recent ring.
+"""The duo attention backend: retrieval heads over paged blocks, streaming heads over their sink and window.
 
 Each layer's heads are described by index maps (`LayerHeads`). At weight load the plugin reorders
 the q/k/v/o weights of unquantized models so that retrieval heads come first (reorder.py); the
@@ -8,7 +8,7 @@ the maps say where each head is; the kernels take the maps as arguments and read
 Under tensor parallelism each rank maps the KV heads it holds (`DuoPlan.retrieval_heads(layer,
 rank, tp)`).
 
-With `--kv-cache-dtype fp8` pages and rings hold `fp8(x / scale)` with the layer's own k/v scales
+With `--kv-cache-dtype fp8` pages and page groups hold `fp8(x / scale)` with the layer's own k/v scales
 (vLLM's `_k_scale` / `_v_scale`: from the checkpoint, 1.0, or `--calculate-kv-scales`), written the
 way the platform's dense backend writes them; the kernels dequantize in registers.
 """
@@ -22,6 +22,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -89,7 +90,7 @@ class DuoAttentionBackend(AttentionBackend):
         block_size = vllm_config.cache_config.block_size
         layout = plan.page_layout(block_size, vllm_config.parallel_config.tensor_parallel_size)
         pages = layout.page_heads[extract_layer_index(layer.layer_name)]
-        # A layer without pages (no retrieval heads, its ring elsewhere) still needs a page: vLLM divides
+        # A layer without pages (no retrieval heads, its streaming K/V elsewhere) still needs a page: vLLM divides
         # by the page size. A one-element-per-row stub costs 1/head_dim of one head.
         return DuoAttentionSpec(
             block_size=block_size,
@@ -106,9 +107,10 @@ class DuoAttentionBackend(AttentionBackend):
 class DuoAttentionMetadata:
     """Per-step batch description, shared by all layers.
 
-    `block_table` rows are `[E streaming blocks | retrieval blocks]` (kv_cache.py). The kernels
-    read the device tensors; the PyTorch path (CPU) reads the host lists. `max_seq_len` bounds
-    the batch's seq_lens: max_model_len in decode-only batches (see the builder).
+    `block_table` rows give each token block its page and its streaming page group (kv_cache.py);
+    `retrieval_table` is their page columns alone, contiguous, for FlashAttention (CUDA; None on the
+    CPU). The kernels read the device tensors; the PyTorch path (CPU) reads the host lists.
+    `max_seq_len` bounds the batch's seq_lens: max_model_len in decode-only batches (see the builder).
     """
 
     num_actual_tokens: int
@@ -117,6 +119,7 @@ class DuoAttentionMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
+    retrieval_table: torch.Tensor | None
     query_start_loc_host: list[int] | None
     seq_lens_host: list[int] | None
 
@@ -127,7 +130,9 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
     In a decode-only batch the Triton path launches only fixed-grid kernels that read the batch from
     device tensors (kernels/decode.py). The one host-side choice, the number of context splits,
     follows max_seq_len, which a captured graph would freeze at its capture value: decode batches
-    therefore size it for max_model_len (splits past a request's context exit at once).
+    therefore size it for max_model_len (splits past a request's context exit at once). The page
+    columns FlashAttention reads are copied once per step for all layers into a buffer that graphs
+    replay from.
     """
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -135,6 +140,16 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.max_model_len = vllm_config.model_config.max_model_len
+        block_size = vllm_config.cache_config.block_size
+        layout = plan_from_vllm_config(vllm_config).page_layout(block_size,
+                                                                vllm_config.parallel_config.tensor_parallel_size)
+        self.stride = 1 + layout.streaming_blocks
+        self.retrieval_table = None
+        if device.type == "cuda" and self.stride > 1:
+            rows = max(vllm_config.scheduler_config.max_num_seqs,
+                       vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+            self.retrieval_table = torch.zeros(rows, cdiv(self.max_model_len, block_size), dtype=torch.int32,
+                                               device=device)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> DuoAttentionMetadata:
         metadata = self.build(0, common_attn_metadata)
@@ -146,13 +161,20 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         cam = common_attn_metadata
         num_reqs = cam.num_reqs
         on_host = self.device.type == "cpu" or FORCE_TORCH_PATH
+        block_table = cam.block_table_tensor[:num_reqs]
+        retrieval_table = block_table if self.stride == 1 else None
+        if self.retrieval_table is not None:
+            retrieval_table = self.retrieval_table[:num_reqs]
+            pages = block_table[:, ::self.stride]
+            retrieval_table[:, :pages.shape[1]].copy_(pages[:, :retrieval_table.shape[1]])
         return DuoAttentionMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             max_query_len=cam.max_query_len,
             max_seq_len=self.max_model_len if cam.max_query_len == 1 else cam.max_seq_len,
             query_start_loc=cam.query_start_loc[: num_reqs + 1],
             seq_lens=cam.seq_lens[:num_reqs],
-            block_table=cam.block_table_tensor[:num_reqs],
+            block_table=block_table,
+            retrieval_table=retrieval_table,
             query_start_loc_host=cam.query_start_loc_cpu[: num_reqs + 1].tolist() if on_host else None,
             seq_lens_host=cam.seq_lens_cpu[:num_reqs].tolist() if on_host else None,
         )
@@ -177,35 +199,35 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.attn_type = attn_type
         self.vllm_config = get_current_vllm_config()  # set while vLLM builds the model
         self.heads: LayerHeads | None = None
-        self.ring_layer: str | None = None
+        self.stream_layer: str | None = None
 
     def _layer_heads(self, layer) -> LayerHeads:
-        """Resolve this layer's head maps and ring host on first use: the impl learns its layer from `layer`."""
+        """Resolve this layer's head maps and stream host on first use: the impl learns its layer from `layer`."""
         if self.heads is None:
             plan = plan_from_vllm_config(self.vllm_config)
             index = extract_layer_index(layer.layer_name)
             tp_size = self.vllm_config.parallel_config.tensor_parallel_size
             layout = plan.page_layout(self.vllm_config.cache_config.block_size, tp_size)
-            ring = layout.rings[index]
-            if ring is not None:
+            placement = layout.placements[index]
+            if placement is not None:
                 layers = self.vllm_config.compilation_config.static_forward_context
-                self.ring_layer = next(name for name, module in layers.items()
-                                       if isinstance(getattr(module, "impl", None), DuoAttentionImpl)
-                                       and extract_layer_index(name) == ring.host)
+                self.stream_layer = next(name for name, module in layers.items()
+                                         if isinstance(getattr(module, "impl", None), DuoAttentionImpl)
+                                         and extract_layer_index(name) == placement.host)
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
             retrieval = plan.retrieval_heads(index, rank, tp_size)
             if getattr(layer, "duo_head_order", None) is not None:  # reordered at load: retrieval heads first
                 retrieval = list(range(len(retrieval)))
-            self.heads = LayerHeads.build(retrieval, self.num_kv_heads,
-                                          self.num_heads, layout.streaming_blocks, plan.sink, plan.recent,
-                                          ring.offset if ring else 0, device=layer.kv_cache.device)
+            self.heads = LayerHeads.build(retrieval, self.num_kv_heads, self.num_heads, 1 + layout.streaming_blocks,
+                                          plan.sink, plan.recent, placement.offset if placement else 0,
+                                          device=layer.kv_cache.device)
         return self.heads
 
-    def _ring_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache whose streaming blocks hold this layer's ring (kv_cache.py pools them across layers)."""
-        if self.ring_layer is None:
+    def _stream_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache whose page groups hold this layer's streaming K/V (kv_cache.py pools them across layers)."""
+        if self.stream_layer is None:
             return kv_cache
-        return self.vllm_config.compilation_config.static_forward_context[self.ring_layer].kv_cache
+        return self.vllm_config.compilation_config.static_forward_context[self.stream_layer].kv_cache
 
     def _quant(self, layer, on_host: bool) -> KVQuant | None:
         """The layer's fp8 storage: its scales as the kernels read them (device tensors, which vLLM updates in
@@ -235,18 +257,18 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         heads = self._layer_heads(layer)
-        ring_cache = self._ring_cache(kv_cache)
+        stream_cache = self._stream_cache(kv_cache)
         if self.fp8_dtype is not None:  # vLLM allocates fp8 caches as uint8
-            kv_cache, ring_cache = kv_cache.view(self.fp8_dtype), ring_cache.view(self.fp8_dtype)
+            kv_cache, stream_cache = kv_cache.view(self.fp8_dtype), stream_cache.view(self.fp8_dtype)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         if kv_cache.is_cuda and not FORCE_TORCH_PATH:
             duo_attention_triton(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
-                                 out, m.max_query_len, m.max_seq_len, ring_cache=ring_cache,
-                                 quant=self._quant(layer, on_host=False))
+                                 out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache,
+                                 quant=self._quant(layer, on_host=False), retrieval_table=m.retrieval_table)
         else:
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
-                          self.scale, out, ring_cache=ring_cache, quant=self._quant(layer, on_host=True))
+                          self.scale, out, stream_cache=stream_cache, quant=self._quant(layer, on_host=True))
         return output

@@ -3,12 +3,12 @@
 
 The platform plugin calls `refusal` before it reads the head pattern; the first check that fails
 names the setting and what to use instead, in one line. Supported and why:
-* `--kv-cache-dtype auto|<model dtype>|fp8|fp8_e4m3|fp8_e5m2`: pages and rings in the model's dtype or
+* `--kv-cache-dtype auto|<model dtype>|fp8|fp8_e4m3|fp8_e5m2`: pages and page groups in the model's dtype or
   per-tensor fp8 (the layer's k/v scales, from the checkpoint, 1.0, or `--calculate-kv-scales`).
 * `--tensor-parallel-size` (kv_cache.py), quantized checkpoints (their layers run on head index
   maps), chunked prefill, CUDA graphs, data parallelism.
 * cascade attention: duo declines it (`use_cascade_attention` is False), so vLLM never plans it.
-* prefix caching: turned off with a logged reason (streaming rings are per request).
+* prefix caching (vLLM's default): pages and streaming page groups are hashed and shared (kv_cache.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 DUO_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # and the model's own dtype by name
 FP8_KV_CACHE_DTYPES = DUO_KV_CACHE_DTYPES[1:]
-KERNEL_TILE = 16  # tokens: duo's block size must be a multiple (16 keeps the ring, whole blocks, smallest)
+KERNEL_TILE = 16  # tokens: duo's block size must be a multiple (16 keeps a request's page groups, whole blocks, few)
 DENSE = "serve it with vLLM's default attention backend"
 
 
@@ -55,7 +55,7 @@ def _kv_cache_dtype(config) -> str | None:
     if dtype not in FP8_KV_CACHE_DTYPES:
         return None
     if cache.kv_cache_dtype_skip_layers:
-        return ("--kv-cache-dtype-skip-layers: duo pools the streaming rings of all layers in shared blocks, so every "
+        return ("--kv-cache-dtype-skip-layers: duo pools the streaming K/V of all layers in shared blocks, so every "
                 "layer needs the same KV cache dtype; leave the option out")
     scheme = getattr(config.quant_config, "kv_cache_scheme", None) or {}
     if scheme.get("strategy") == "attn_head":
@@ -68,14 +68,14 @@ def _block_size(config) -> str | None:
     cache = config.cache_config
     if cache.user_specified_block_size and cache.block_size % KERNEL_TILE:
         return (f"--block-size {cache.block_size}: duo's kernels read {KERNEL_TILE}-token tiles; use --block-size "
-                f"{KERNEL_TILE} (its default: the streaming ring is reserved in whole blocks)")
+                f"{KERNEL_TILE} (its default: streaming heads keep whole blocks of their sink and window)")
     return None
 
 
 def _speculative_decoding(config) -> str | None:
     if config.speculative_config is not None:
-        return ("--speculative-config: a rejected draft token has already overwritten a slot of duo's streaming ring "
-                "that the next step still reads; serve without speculative decoding")
+        return ("--speculative-config: duo has not been validated with draft tokens (verification batches, the draft "
+                "model's own attention layers); serve without speculative decoding")
     return None
 
 
@@ -86,11 +86,15 @@ def _lora(config) -> str | None:
     return None
 
 
-def _kv_transfer(config) -> str | None:
+def _kv_connectors_and_events(config) -> str | None:
     transfer = config.kv_transfer_config
     if transfer is not None and transfer.kv_connector is not None:
         return (f"--kv-transfer-config (connector {transfer.kv_connector}): KV connectors and offloading move dense "
-                "KV blocks, and duo's blocks hold retrieval pages and per-request rings; leave it out")
+                "KV blocks, and duo's blocks hold retrieval pages and pooled streaming page groups; leave it out")
+    events = config.kv_events_config
+    if events is not None and events.enable_kv_cache_events:
+        return ("--kv-events-config with enable_kv_cache_events: the events describe dense blocks per KV cache group, "
+                "and duo hashes streaming page groups under ids of their own; leave the events off")
     return None
 
 
@@ -108,7 +112,7 @@ def _parallelism(config) -> str | None:
 
 
 CHECKS: tuple[Callable[[object], str | None], ...] = (
-    _model_kind, _kv_cache_dtype, _block_size, _speculative_decoding, _lora, _kv_transfer, _parallelism)
+    _model_kind, _kv_cache_dtype, _block_size, _speculative_decoding, _lora, _kv_connectors_and_events, _parallelism)
 
 
 def refusal(vllm_config, fp8_capable: bool = True) -> str | None:

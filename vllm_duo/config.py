@@ -96,16 +96,16 @@ class DuoPlan:
         return [int(c) for c in self.retrieval_mask.sum(axis=1)]
 
     def page_layout(self, block_size: int, tp_size: int = 1):
-        """The KV page layout every rank uses (kv_cache.py): vLLM needs the same specs on all TP ranks, so
-        pages are sized for the rank with the most retrieval heads in each layer, rings for the most streaming.
+        """The KV page layout every rank uses (kv_cache.py): vLLM needs the same specs on all TP ranks, so pages
+        are sized for the rank with the most retrieval heads in each layer, page groups for the most streaming.
         """
         from vllm_duo.kv_cache import plan_page_layout
 
         masks = np.stack([self.rank_mask(r, tp_size) for r in range(tp_size)])  # [ranks, layers, local heads]
         retrieval = masks.sum(axis=2)
         pages = tuple(int(c) for c in retrieval.max(axis=0))
-        rings = tuple(int(c) for c in (masks.shape[2] - retrieval).max(axis=0))
-        return plan_page_layout(pages, rings, self.sink, self.recent, block_size)
+        streaming = tuple(int(c) for c in (masks.shape[2] - retrieval).max(axis=0))
+        return plan_page_layout(pages, streaming, block_size)
 
     def tp_page_overhead(self, tp_size: int) -> float:
         """Extra page memory from uneven retrieval counts across ranks: sum_l max_r R_lr / mean_r sum_l R_lr - 1."""
@@ -123,19 +123,20 @@ class DuoPlan:
         per_head = 2 * self.shape.head_dim * dtype_bytes  # K and V
         return self.retrieval_mask.size * per_head, int(self.retrieval_mask.sum()) * per_head
 
-    def ring_bytes(self, dtype_bytes: int) -> int:
-        """KV bytes of one request's streaming ring: sink + recent tokens of every streaming head."""
+    def window_bytes(self, dtype_bytes: int) -> int:
+        """KV bytes of one request's streaming heads, ideally: sink + recent tokens of each."""
         return (self.sink + self.recent) * int((~self.retrieval_mask).sum()) * 2 * self.shape.head_dim * dtype_bytes
 
     def capacity_ratio(self, num_tokens: int, dtype_bytes: int) -> float:
         """Requests of `num_tokens` tokens that fit in a KV cache, duo / dense, ideally (no page padding)."""
         dense, duo = self.kv_bytes_per_token(dtype_bytes)
-        return dense * num_tokens / (duo * num_tokens + self.ring_bytes(dtype_bytes))
+        return dense * num_tokens / (duo * num_tokens + self.window_bytes(dtype_bytes))
 
     def paged_capacity_ratio(self, num_tokens: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> float:
         """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts (per rank)."""
         layout = self.page_layout(block_size, tp_size)
-        paged = layout.bytes_per_request(num_tokens, block_size, self.shape.head_dim, dtype_bytes)
+        paged = layout.bytes_per_request(num_tokens, block_size, self.shape.head_dim, dtype_bytes, self.sink,
+                                         self.recent)
         local_heads = len(rank_kv_heads(self.shape.num_kv_heads, tp_size, 0))
         dense = self.shape.num_layers * local_heads * 2 * self.shape.head_dim * dtype_bytes * num_tokens
         return dense / paged
@@ -150,8 +151,8 @@ class DuoPlan:
     def memory_summary(self, max_model_len: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> str:
         dense, duo = self.kv_bytes_per_token(dtype_bytes)
         return (
-            f"duo: KV per token dense {_size(dense)} vs duo {_size(duo)} + {_size(self.ring_bytes(dtype_bytes))} "
-            f"streaming ring per request ({dtype_bytes}-byte KV); expected capacity at max_model_len {max_model_len}: "
+            f"duo: KV per token dense {_size(dense)} vs duo {_size(duo)} + {_size(self.window_bytes(dtype_bytes))} "
+            f"streaming window per request ({dtype_bytes}-byte KV); expected capacity at max_model_len {max_model_len}: "
             f"{self.capacity_ratio(max_model_len, dtype_bytes):.2f}x dense ideally, "
             f"{self.paged_capacity_ratio(max_model_len, dtype_bytes, block_size, tp_size):.2f}x in duo's "
             f"{block_size}-token pages (what vLLM's Maximum concurrency counts)"

@@ -1,44 +1,58 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Duo KV cache layout: retrieval heads on paged blocks, streaming heads in a fixed sink+recent ring.
+"""Duo KV cache layout: retrieval heads on pages, streaming heads on page groups freed outside their window.
 
-vLLM 0.26 gives each attention layer one cache tensor and one block table, and a KV cache
-group shares block ids across its layers. Two caches per layer would need a second group
-whose layers have equal page sizes, which per-layer retrieval counts R_l (3, 5, 6, 7 of 8 ...)
-break. So duo keeps ONE group and puts both kinds of storage in the same blocks:
+vLLM 0.26 gives each attention layer one cache tensor and one block table, and a KV cache group
+shares block ids across its layers. Two caches per layer would need a second group whose layers
+have equal page sizes, which per-layer retrieval counts R_l (3, 5, 6, 7 of 8 ...) break. So duo
+keeps ONE group and gives each token block t of a request `stride` = 1 + m columns of its row:
 
-    block table row of a request:  [ s_0 ... s_{E-1} | r_0 r_1 r_2 ... ]
-                                     streaming ring     retrieval pages, one per block_size tokens
+    block table row:  [ r0 s0 | r1 s1 | r2 s2 | ... ]                 (m = 1)
+                      [ r0 s0 s0' | r1 s1 s1' | ... ]                 (m = 2)
 
-* A layer's page holds `P_l = R_l` head slots per token row (`num_kv_heads` of its spec):
-  `cache[block, kv, token, head, dim]`, shape `[num_blocks, 2, block_size, P_l, head_dim]`.
-* Retrieval KV head r (0 <= r < R_l) of position p lives at
-  `cache[table[E + p // bs], :, p % bs, r]`.
-* Streaming rings are pooled across layers. Layer l's ring `[W = sink + recent, S_l]` lives
-  in the E streaming blocks of a host layer h (R_h > 0, possibly l itself), flattened to
-  `E * bs * P_h` cells, from cell `offset_l` on: slot j of streaming head s is cell
-  `offset_l + j * S_l + s`. Position p goes to slot `p` if p < sink else
-  `sink + (p - sink) % recent`.
-* A layer with R_l = 0 has no pages of its own. vLLM divides by every layer's page size, so
-  its spec is a stub of one element per token row (1/head_dim of a head).
+* r_t, the retrieval page: layer l's R_l retrieval heads for positions [t bs, (t + 1) bs),
+  `cache[r_t, kv, p % bs, r]` (a layer's page has P_l = R_l head slots per row).
+* s_t, the streaming page group: the S_l streaming heads of every layer for the same positions,
+  pooled in m blocks: layer l's `[bs slots, S_l]` cells lie in the group's blocks of a host layer
+  h (R_h > 0, possibly l itself), flattened from cell `offset_l` on, P_h cells per row
+  (`plan_page_layout`). Without pooling a layer with few or no retrieval heads would need wide
+  pages for its streaming heads in every block.
+* A layer with R_l = 0 has no pages of its own. vLLM divides by every layer's page size, so its
+  spec is a stub of one element per token row (1/head_dim of a head).
 
-Pooling makes a request cost (ceil(T / bs) + E) * bs * sum_l R_l head rows, with E close to
-W * sum_l S_l / (bs * sum_l R_l): the KV of the retrieval heads plus the rings, nothing else
-(`plan_page_layout`). Without it a layer with few or no retrieval heads would need wide pages
-for its ring in every token block. The scheduler reserves the E blocks when a
-request first gets blocks (`DuoKVCacheManager`), frees them with the rest on finish, abort or
-preemption, and vLLM's own "Maximum concurrency" counts them (`DuoAttentionSpec`).
-Prefix caching is turned off: streaming rings are per request and cannot be shared.
+A streaming head's query at q sees the sinks [0, sink) and the window (q - recent, q]. The
+manager (`DuoKVCacheManager`) frees s_t once t is past the sink blocks and wholly before the next
+query's window, as vLLM's sliding-window manager frees blocks; r_t lives as long as the request.
+With bs 4, sink 4, recent 6, a request at 21 tokens (its next query, 21, sees 0..3 and 16..21):
+
+    tokens   0..3   4..7   8..11  12..15  16..19  20..
+    pages    r0     r1     r2     r3      r4      r5
+    groups   s0     --     --     --      s4      s5       s1..s3 freed: 4..15 is neither sink nor window
+
+So a request holds ceil(T / bs) pages plus the page groups of its sink and window (and, during a
+prefill chunk, of the chunk: a step stores all its tokens' K/V before it attends), freed on finish,
+abort or preemption; vLLM's own "Maximum concurrency" counts them (`DuoAttentionSpec`).
+
+Prefix caching: r_t and each block of s_t are hashed with token block t's hash (the pages under
+the group's id, the streaming blocks under ids of their own), so a later request with the same
+first tokens finds them, and freed groups stay findable until the pool evicts them. A hit of k
+token blocks needs r_0..r_{k-1}, and the groups of the sink blocks and of the window before the
+first recomputed position k bs; the request then holds `[r0 s0 | r1 -- | ... | r_{k-1} s_{k-1}]`
+with null columns where no query will look, and computes from k bs on, exactly as if it had run
+all along (tests/test_prefix_caching.py). The longest hit whose window survived is taken.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+# Hash ids of the streaming blocks of a page group (STREAMING_HASH_GROUP + j for block j): apart from vLLM's
+# KV cache group ids, which the retrieval pages use.
+STREAMING_HASH_GROUP = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,53 +61,189 @@ class DuoAttentionSpec(FullAttentionSpec):
 
     sink: int
     recent: int
-    streaming_blocks: int
+    streaming_blocks: int  # m: blocks of a token block's streaming page group (0: no streaming head anywhere)
+
+    @property
+    def stride(self) -> int:
+        """Block table columns per token block."""
+        return 1 + self.streaming_blocks
 
     def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
-        return super().max_num_blocks_per_req(vllm_config, max_len) + self.streaming_blocks
+        return self.stride * cdiv(max_len, self.block_size)
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks a request of `num_tokens` tokens holds between steps: its pages, and the page groups of
+        its sink and window (`streaming_groups_held`)."""
+        groups = streaming_groups_held(num_tokens, self.sink, self.recent, self.block_size)
+        return cdiv(num_tokens, self.block_size) + self.streaming_blocks * groups
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        max_len = vllm_config.model_config.max_model_len
-        return (cdiv(max_len, self.block_size) + self.streaming_blocks) * self.page_size_bytes
+        return self.blocks_held(vllm_config.model_config.max_model_len) * self.page_size_bytes
 
     @classmethod
     def merge(cls, specs):
         if any(spec != specs[0] for spec in specs[1:]):
             # vLLM's grouping probes uniformity by catching AssertionError from merge().
             raise AssertionError("duo layers with different head counts form a UniformTypeKVCacheSpecs group")
-        return copy.deepcopy(specs[0])
+        return specs[0]
 
 
-class DuoKVCacheManager(FullAttentionManager):
-    """Full-attention manager that also reserves the E streaming blocks at the head of each request.
+def streaming_groups_held(num_tokens: int, sink: int, recent: int, block_size: int) -> int:
+    """Token blocks whose streaming page group a request of `num_tokens` computed tokens keeps: the sink
+    blocks and those reaching into the next query's window (positions >= num_tokens - recent + 1)."""
+    blocks = cdiv(num_tokens, block_size)
+    freed = max(0, num_tokens - recent + 1) // block_size - cdiv(sink, block_size)
+    return blocks - max(0, min(freed, blocks - cdiv(sink, block_size)))
 
-    The ring is bookkept as E * block_size extra token slots in front of the request's tokens,
-    so allocation, admission and freeing reuse the full-attention logic unchanged.
+
+class DuoKVCacheManager(SingleTypeKVCacheManager):
+    """Per request: `stride` blocks per token block (page, then page group); frees streaming page groups that
+    slid out of the window and hashes both kinds for prefix caching (module docstring).
+
+    `num_cached_block` counts token blocks here, not blocks.
     """
 
     def __init__(self, kv_cache_spec: DuoAttentionSpec, *args, **kwargs):
         super().__init__(kv_cache_spec, *args, **kwargs)
-        self.ring_tokens = kv_cache_spec.streaming_blocks * kv_cache_spec.block_size
+        self.stride = kv_cache_spec.stride
+        self.sink_blocks = cdiv(kv_cache_spec.sink, self.block_size)
+        self.recent = kv_cache_spec.recent
+        self._freed_up_to: dict[str, int] = {}  # token blocks below this have no streaming page group left
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs) -> int:
-        return super().get_num_blocks_to_allocate(request_id, num_tokens + self.ring_tokens, *args, **kwargs)
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_local_computed_tokens, num_tokens_main_model,
+                                   apply_admission_cap: bool = False) -> int:
+        """New blocks for `num_tokens` token slots, plus hit blocks that leave the free queue.
+
+        The admission check (`apply_admission_cap`, the whole prompt at once) counts the page groups a request
+        keeps between steps, not those of the chunks it will prefill: each is freed once the window moves on.
+        """
+        token_blocks = cdiv(num_tokens, self.block_size)
+        held = [*self.req_to_blocks.get(request_id, ()), *new_computed_blocks]
+        if apply_admission_cap:  # blocks, not columns: a hit's null columns need none
+            groups = streaming_groups_held(num_tokens, self.kv_cache_spec.sink, self.recent, self.block_size)
+            missing = token_blocks + (self.stride - 1) * groups - sum(not b.is_null for b in held)
+        else:  # columns: allocate_new_blocks fills every one past the held ones
+            missing = token_blocks * self.stride - len(held)
+        return max(missing, 0) + self._get_num_evictable_blocks(new_computed_blocks)
+
+    def add_local_computed_blocks(self, request_id, new_computed_blocks, num_local_computed_tokens,
+                                  num_external_computed_tokens) -> None:
+        super().add_local_computed_blocks(request_id, new_computed_blocks, num_local_computed_tokens,
+                                          num_external_computed_tokens)
+        hit_blocks = len(new_computed_blocks) // self.stride
+        self.num_cached_block[request_id] = hit_blocks
+        self._freed_up_to[request_id] = _first_window_block(hit_blocks * self.block_size, self.recent, self.block_size)
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
-        return super().allocate_new_blocks(
-            request_id, num_tokens + self.ring_tokens, num_tokens_main_model + self.ring_tokens
-        )
+        """A page and a streaming page group for every new token block: a step stores all its tokens' K/V."""
+        req_blocks = self.req_to_blocks[request_id]
+        missing = cdiv(num_tokens, self.block_size) * self.stride - len(req_blocks)
+        if missing <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(missing)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None) -> None:
+        """Free the streaming page groups of token blocks past the sink and wholly before the next query's window
+        (positions < processed_computed_tokens - recent + 1); their columns become the null block."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks or self.stride == 1:
+            return
+        end = min(_first_window_block(processed_computed_tokens, self.recent, self.block_size),
+                  len(blocks) // self.stride)
+        start = max(self._freed_up_to.get(request_id, 0), self.sink_blocks)
+        freed = []
+        for column in (t * self.stride + j for t in range(start, end) for j in range(1, self.stride)):
+            if not blocks[column].is_null:
+                freed.append(blocks[column])
+                blocks[column] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+        self._freed_up_to[request_id] = max(start, end)
+
+    def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None) -> None:
+        """Hash the pages and the streaming blocks of the request's full token blocks (module docstring)."""
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        for kind in range(self.stride):
+            self.block_pool.cache_full_blocks(request=request, blocks=blocks[kind::self.stride],
+                                              num_cached_blocks=num_cached, num_full_blocks=num_full,
+                                              block_size=self.block_size,
+                                              kv_cache_group_id=_hash_group(self.kv_cache_group_id, kind))
+        self.num_cached_block[request.request_id] = num_full
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               drop_eagle_block, alignment_tokens, dcp_world_size=1, pcp_world_size=1):
+        """The longest k (token blocks, within `max_length`) whose pages are cached, and the page groups of its
+        sink blocks and of the window before position k * bs; `[r0 s0 | r1 -- | ...]` with nulls elsewhere."""
+        from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+        (group,) = kv_cache_group_ids
+        bs, stride = kv_cache_spec.block_size, kv_cache_spec.stride
+        block_hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, bs,
+                                            supports_fine_grained_hash_lookup=False, alignment_tokens=alignment_tokens)
+        pages = []
+        for block_hash in block_hashes[:max_length // bs]:
+            page = block_pool.get_cached_block(block_hash, [group])
+            if page is None:
+                break
+            pages.append(page[0])
+
+        @functools.cache
+        def streaming_group(t: int):
+            return block_pool.get_cached_block(block_hashes[t], [_hash_group(group, j) for j in range(1, stride)])
+
+        sink_blocks = cdiv(kv_cache_spec.sink, bs)
+        k = len(pages)
+        while k > 0 and stride > 1:
+            first_window = max(sink_blocks, _first_window_block(k * bs, kv_cache_spec.recent, bs))
+            seen = [*range(min(sink_blocks, k)), *range(first_window, k)]
+            missing = next((t for t in reversed(seen) if not streaming_group(t)), None)
+            if missing is None:
+                break
+            k = missing  # every longer hit needs that group too: end the hit before its token block
+        first_window = max(sink_blocks, _first_window_block(k * bs, kv_cache_spec.recent, bs))
+        hit = []
+        for t in range(k):
+            seen = t < sink_blocks or t >= first_window
+            hit += [pages[t], *(streaming_group(t) if seen else [block_pool.null_block] * (stride - 1))]
+        return (hit,), k * bs
+
+    def pop_blocks_for_free(self, request_id):
+        self._freed_up_to.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        return 0  # duo declines cascade attention
 
     def num_held_blocks(self) -> int:
-        """Blocks held by live requests, ring included: 0 once every request has ended."""
-        return sum(len(blocks) for blocks in self.req_to_blocks.values())
+        """Blocks held by live requests, null columns excepted: 0 once every request has ended."""
+        return sum(not b.is_null for blocks in self.req_to_blocks.values() for b in blocks)
+
+
+def _hash_group(group: int, kind: int) -> int:
+    """The hash id of column `kind` of a token block: 0 the page (the group's own id), j > 0 streaming block j."""
+    return group if kind == 0 else STREAMING_HASH_GROUP + kind
+
+
+def _first_window_block(next_position: int, recent: int, block_size: int) -> int:
+    """The first token block that the query at `next_position` can see through its window: those before it hold
+    only positions < next_position - recent + 1."""
+    return max(0, next_position - recent + 1) // block_size
 
 
 STUB_HEAD_SIZE = 1  # head_size of the spec of a layer without pages (see `DuoAttentionBackend.kv_cache_spec`)
 
 
 @dataclass(frozen=True)
-class RingPlacement:
-    """Where one layer's streaming ring lives: `offset` cells into the E streaming blocks of layer `host`."""
+class StreamPlacement:
+    """Where one layer's streaming K/V lives: `offset` cells into the page groups in layer `host`'s cache."""
 
     host: int
     offset: int
@@ -101,53 +251,55 @@ class RingPlacement:
 
 @dataclass(frozen=True)
 class PageLayout:
-    """Per-layer page head slots P_l (0: no pages), the shared E, and each layer's ring placement."""
+    """Per-layer page head slots P_l (0: no pages), the blocks m of a streaming page group, and each layer's
+    streaming placement."""
 
     page_heads: tuple[int, ...]
     streaming_blocks: int
-    rings: tuple[RingPlacement | None, ...]
+    placements: tuple[StreamPlacement | None, ...]
 
-    def bytes_per_request(self, num_tokens: int, block_size: int, head_dim: int, dtype_bytes: int) -> int:
-        blocks = cdiv(num_tokens, block_size) + self.streaming_blocks
+    def bytes_per_request(self, num_tokens: int, block_size: int, head_dim: int, dtype_bytes: int, sink: int,
+                          recent: int) -> int:
+        """KV bytes a request of `num_tokens` tokens holds between steps (`DuoAttentionSpec.blocks_held`)."""
+        groups = streaming_groups_held(num_tokens, sink, recent, block_size)
+        blocks = cdiv(num_tokens, block_size) + self.streaming_blocks * groups
         row = sum(p * head_dim if p else STUB_HEAD_SIZE for p in self.page_heads)
         return blocks * block_size * 2 * row * dtype_bytes
 
 
-def _place_rings(ring_cells: list[int], host_cells: list[int]) -> list[RingPlacement | None] | None:
-    """Best-fit decreasing: each ring into the fullest host it still fits; None if some ring fits nowhere."""
+def _place(cells: list[int], host_cells: list[int]) -> list[StreamPlacement | None] | None:
+    """Best-fit decreasing: each layer's cells into the fullest host they still fit; None if some fit nowhere."""
     used = [0] * len(host_cells)
-    rings: list[RingPlacement | None] = [None] * len(ring_cells)
-    for layer in sorted(range(len(ring_cells)), key=lambda i: -ring_cells[i]):
-        if not ring_cells[layer]:
+    placements: list[StreamPlacement | None] = [None] * len(cells)
+    for layer in sorted(range(len(cells)), key=lambda i: -cells[i]):
+        if not cells[layer]:
             continue
-        fits = [h for h, cap in enumerate(host_cells) if cap and cap - used[h] >= ring_cells[layer]]
+        fits = [h for h, cap in enumerate(host_cells) if cap and cap - used[h] >= cells[layer]]
         if not fits:
             return None
         host = min(fits, key=lambda h: host_cells[h] - used[h])
-        rings[layer] = RingPlacement(host, used[host])
-        used[host] += ring_cells[layer]
-    return rings
+        placements[layer] = StreamPlacement(host, used[host])
+        used[host] += cells[layer]
+    return placements
 
 
 @functools.cache
-def plan_page_layout(page_heads: tuple[int, ...], ring_heads: tuple[int, ...], sink: int, recent: int,
-                     block_size: int) -> PageLayout:
-    """Pages of `page_heads[l]` head slots (R_l) and the fewest ring blocks E that hold every layer's ring.
+def plan_page_layout(page_heads: tuple[int, ...], streaming_heads: tuple[int, ...], block_size: int) -> PageLayout:
+    """Pages of `page_heads[l]` head slots (R_l) and the fewest blocks m per streaming page group that hold every
+    layer's `[block_size, streaming_heads[l]]` streaming cells.
 
-    `ring_heads[l]` is the streaming head count S_l whose ring of W = sink + recent slots layer l
-    needs. Memory per request is (ceil(T / bs) + E) * bs * sum_l R_l head rows, the least the
-    one-group layout allows: all rings (W * S_l cells each) are packed into the E streaming
-    blocks of the layers with pages, E = ceil(W * sum S_l / (bs * sum R_l)) or a few blocks more
-    where the rings do not pack exactly. Under tensor parallelism both are per-layer maxima over
-    the ranks, since every rank must report the same specs (`DuoPlan.page_layout`).
+    A token block then costs (1 + m) blocks of sum_l R_l head rows while its page group lives, with
+    m = ceil(sum S_l / sum R_l), or one more where the layers' cells do not pack exactly. Under tensor
+    parallelism both counts are per-layer maxima over the ranks, since every rank must report the same
+    specs (`DuoPlan.page_layout`).
     """
     pages = list(page_heads)
     if not any(pages):
-        pages[0] = 1  # no retrieval head anywhere: layer 0 keeps one head slot per row to hold the rings
-    ring_cells = [(sink + recent) * s for s in ring_heads]
-    if not any(ring_cells):
+        pages[0] = 1  # no retrieval head anywhere: layer 0 keeps one head slot per row to hold the page groups
+    cells = [block_size * s for s in streaming_heads]
+    if not any(cells):
         return PageLayout(tuple(pages), 0, (None,) * len(pages))
-    blocks = cdiv(sum(ring_cells), block_size * sum(pages))
-    while (rings := _place_rings(ring_cells, [blocks * block_size * p for p in pages])) is None:
+    blocks = cdiv(sum(cells), block_size * sum(pages))
+    while (placements := _place(cells, [blocks * block_size * p for p in pages])) is None:
         blocks += 1
-    return PageLayout(tuple(pages), blocks, tuple(rings))
+    return PageLayout(tuple(pages), blocks, tuple(placements))

@@ -2,8 +2,7 @@
 """vLLM platform plugin: the detected CUDA or CPU platform, plus duo's config checks.
 
 A platform's `check_and_update_config` runs while vLLM builds its config, before any model or
-GPU work: the one place to refuse what duo cannot serve (compatibility.py) or a bad pattern, and to
-turn prefix caching off for duo.
+GPU work: the one place to refuse what duo cannot serve (compatibility.py) or a bad pattern.
 On CPU it also lets `--attention-backend duo` through (vLLM's CPU platform only knows CPU_ATTN).
 Without duo selected both classes behave exactly as vLLM's own.
 """
@@ -50,12 +49,8 @@ class DuoPlatformMixin:
                            "pages sized for the busiest rank of each layer take %.0f%% more KV memory than an even "
                            "split would", tp_size, 100 * overhead)
         cache_config = vllm_config.cache_config
-        if cache_config.enable_prefix_caching:
-            logger.info("duo: prefix caching disabled (streaming heads keep a per-request sink+recent ring "
-                        "that cannot be shared between requests)")
-            cache_config.enable_prefix_caching = False
         if not cache_config.user_specified_block_size and cache_config.block_size != DUO_BLOCK_SIZE:
-            # Small blocks keep the per-request streaming ring (whole blocks) small.
+            # Small blocks keep the streaming page groups of a request's sink and window (whole blocks) few.
             cache_config.block_size = DUO_BLOCK_SIZE
         logger.info(plan.summary())
         kv_dtype = kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, vllm_config.model_config)

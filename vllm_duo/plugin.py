@@ -8,7 +8,7 @@ vLLM 0.26 has three gaps a backend plugin must bridge, each bridged here once:
 * a single-group model's block table is sized by `UniformTypeKVCacheSpecs`, which ignores its
   layers' own `max_num_blocks_per_req`: use the widest layer (same result for built-in specs).
   The V2 model runner (the GPU default) ignores `max_num_blocks_per_req` altogether and sizes rows
-  for max_model_len tokens: widen its rows by duo's ring blocks.
+  for max_model_len tokens: widen its rows by duo's streaming page group columns.
 The spec/manager pair goes into vLLM's own `KVCacheSpecRegistry`. And the model loader's post-load
 step first reorders each duo layer's KV heads, retrieval heads first (reorder.py).
 """
@@ -66,8 +66,8 @@ def _size_block_table_by_widest_layer() -> None:
     UniformTypeKVCacheSpecs.max_num_blocks_per_req = max_num_blocks_per_req
 
 
-def _duo_ring_tokens(kv_cache_config, vllm_config, max_len: int) -> int:
-    """Tokens' worth of blocks that a duo request holds beyond `max_len` tokens of pages (its ring blocks)."""
+def _duo_extra_tokens(kv_cache_config, vllm_config, max_len: int) -> int:
+    """Tokens' worth of block table columns that a duo row has beyond `max_len` tokens of pages (its page groups)."""
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
@@ -83,7 +83,7 @@ def _duo_ring_tokens(kv_cache_config, vllm_config, max_len: int) -> int:
     return extra
 
 
-def _widen_v2_block_tables_by_rings() -> None:
+def _widen_v2_block_tables() -> None:
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     except ImportError:  # a vLLM without the V2 model runner
@@ -94,7 +94,7 @@ def _widen_v2_block_tables_by_rings() -> None:
 
     def initialize_kv_cache(self, kv_cache_config):
         # The V2 runner reads self.max_model_len only here, for the rows' width (`block_table_max_model_len`).
-        extra = _duo_ring_tokens(kv_cache_config, self.vllm_config, self.max_model_len)
+        extra = _duo_extra_tokens(kv_cache_config, self.vllm_config, self.max_model_len)
         self.max_model_len += extra
         try:
             return initialize(self, kv_cache_config)
@@ -136,6 +136,6 @@ def register() -> None:
     add_backend_member()
     _route_kv_cache_spec_to_backend()
     _size_block_table_by_widest_layer()
-    _widen_v2_block_tables_by_rings()
+    _widen_v2_block_tables()
     _register_kv_cache_spec()
     _reorder_heads_after_loading()
