@@ -75,6 +75,9 @@ for stage in "$@"; do
     fp8_decode) bench fp8 --workloads decode_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_serve) bench fp8 --workloads serve_16k --set serve_16k.request_rates=${RATE:-2} --kv-cache-dtype fp8 \
         --only ${ONLY:?set ONLY=dense or duo} ;;
+    # issue 19: prefix caching on both sides, bf16 and fp8 (ONLY=dense or duo: one backend per call)
+    prefix_docs) bench prefix --workloads shared_docs --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
+    prefix_chat) bench prefix --workloads chat_turns repeat_32k --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     kernels_fp8) timeout 300 python3 benchmarks/kernels_bench.py --fp8 2>&1 | tee "$OUT/kernels_bench_fp8.log" | tail -30 ;;
     *) echo "unknown stage $stage"; exit 2 ;;

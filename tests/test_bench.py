@@ -101,6 +101,28 @@ def test_tiny_serve_sweep_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     assert "| duo s=0.5 | 128 | inf |" in (out / "results.md").read_text()
 
 
+def test_shared_documents_and_chat_hit_the_prefix_cache_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    """The shared-prefix workloads through duo servers: questions on 2 shared documents (vLLM's prefix_repetition
+    prompts) and 2 chats of 3 turns (chat.py); the server's own counters give the hit rate."""
+    out = tmp_path / "results"
+    code = cli.main(["bench", "--workloads", "tiny_docs", "tiny_chat", "--model", smollm2_dir, "--sparsity", "0.5",
+                     "--only", "duo", "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
+    assert code == 0
+    runs = {run["workload"]: run for run in json.loads((out / "results.json").read_text())["runs"]}
+    for run in runs.values():
+        assert run["status"] == "ok", run.get("log_tail")
+        assert "--enable-prefix-caching" in run["server_command"]
+        assert run["metrics"]["failed"] == 0 and run["metrics"]["output_tok_s"] > 0
+    docs, chat = runs["tiny_docs"]["metrics"], runs["tiny_chat"]["metrics"]
+    assert "prefix_repetition" in runs["tiny_docs"]["command"] and docs["completed"] == 6
+    # 6 questions on 2 documents of 256 tokens: 4 of them find their document's 16 blocks cached
+    assert 0.4 < docs["prefix_cache_hit_rate"] < 0.75
+    assert chat["completed"] == 6 and len(chat["median_ttft_ms_by_turn"]) == 3
+    assert chat["prefix_cache_hit_rate"] > 0.4  # turns 2 and 3 resend what turn 1 and 2 prefilled
+    report = (out / "results.md").read_text()
+    assert "prefix cache hits" in report and "turn 3 TTFT ms" in report
+
+
 def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     assert cli.main(["bench", "--model", "/models/llama8b", "--tokenizer", "/models/smol", "--sparsity", "0.5",
                      "--capacity-sparsity", "0.25", "0.5", "--pattern", "Meta-Llama-3.1-8B-Instruct",

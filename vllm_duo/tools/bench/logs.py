@@ -110,4 +110,6 @@ _SERVE_KEYS = ("duration", "completed", "failed", "request_throughput", "output_
 def serve_metrics(raw: dict) -> dict:
     metrics = {key: raw.get(key) for key in _SERVE_KEYS}
     metrics["output_tok_s"] = raw.get("output_throughput")
+    if "median_ttft_ms_by_turn" in raw:  # the multi-turn chat client's (chat.py)
+        metrics["median_ttft_ms_by_turn"] = raw["median_ttft_ms_by_turn"]
     return metrics

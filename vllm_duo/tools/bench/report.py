@@ -58,7 +58,7 @@ class Report:
         started = min(run.get("started_at") or "?" for run in runs)
         finished = max(run.get("finished_at") or "?" for run in runs)
         commits = ", ".join(dict.fromkeys(str(run.get("vllm_duo_commit")) for run in runs))
-        lines += [f"RunIndex from {started} to {finished}, vllm-duo commit {commits}.", ""]
+        lines += [f"Runs from {started} to {finished}, vllm-duo commit {commits}.", ""]
         if name == "capacity":
             lines += tables.capacity_table(self.index, name)
         elif kind == "throughput":
@@ -67,6 +67,8 @@ class Report:
             lines += tables.latency_table(self.index, name)
         else:
             lines += tables.serve_table(self.index, name)
+            if turns := tables.turns_table(self.index, name):
+                lines += [""] + turns
             if load := tables.engine_load_table(self.index, name):
                 lines += [""] + load
         return lines + [""]

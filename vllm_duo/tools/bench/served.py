@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import shlex
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from vllm_duo.tools.bench.logs import read_json, read_log, log_tail, serve_metrics, startup_figures
@@ -17,15 +19,53 @@ from vllm_duo.tools.processes import free_port, run_logged, server_command, star
 
 
 def client_command(settings: Settings, workload: Workload, input_len: int, rate: float, port: int,
-                   json_path: Path) -> list[str]:
+                   json_path: Path, seed: int = 0) -> list[str]:
+    """The client of one serve point: `vllm bench serve` on random or shared-document prompts, or the multi-turn
+    chat client. `seed` differs between the points of one server, so a point does not hit the cache of another."""
     tokenizer = ["--tokenizer", settings.tokenizer] if settings.tokenizer else []
+    server = ["--model", settings.model, *tokenizer, "--host", "127.0.0.1", "--port", str(port), "--seed", str(seed)]
+    if workload.dataset == "chat":
+        return [sys.executable, "-m", "vllm_duo.tools.bench.chat", *server,
+                "--conversations", str(workload.num_prompts), "--turns", str(workload.turns),
+                "--first-len", str(input_len), "--turn-len", str(workload.question_len),
+                "--output-len", str(workload.output_len), "--result-file", str(json_path)]
+    if workload.dataset == "documents":
+        prompts = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(input_len),
+                   "--prefix-repetition-suffix-len", str(workload.question_len),
+                   "--prefix-repetition-num-prefixes", str(workload.num_documents),
+                   "--prefix-repetition-output-len", str(workload.output_len)]
+    else:
+        prompts = ["--dataset-name", "random", "--random-input-len", str(input_len),
+                   "--random-output-len", str(workload.output_len)]
     at_once = ["--max-concurrency", str(workload.max_concurrency)] if workload.max_concurrency else []
-    return vllm_cli() + ["bench", "serve", "--backend", "vllm", "--model", settings.model, *tokenizer,
-                         "--host", "127.0.0.1", "--port", str(port), "--dataset-name", "random",
-                         "--random-input-len", str(input_len), "--random-output-len", str(workload.output_len),
+    return vllm_cli() + ["bench", "serve", "--backend", "vllm", *server, *prompts,
                          "--num-prompts", str(workload.num_prompts), "--request-rate", rate_text(rate), *at_once,
                          "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                          "--save-result", "--result-dir", str(json_path.parent), "--result-filename", json_path.name]
+
+
+def prefix_cache_counters(port: int) -> dict[str, float]:
+    """The server's prefix-cache counters (tokens queried, tokens hit) from its Prometheus /metrics; {} if none."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("queries", "hits"):
+            if line.startswith(f"vllm:prefix_cache_{name}_total"):
+                counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Prefix-cache hits of one client: the counters' growth while it ran."""
+    if not {"queries", "hits"} <= before.keys() & after.keys():
+        return {}
+    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else None}
 
 
 def _file_part(phase: str) -> str:
@@ -51,9 +91,9 @@ def run_served(results: Results, workload: Workload, variant: Variant, progress)
     server_log = out / "logs" / f"{workload.name}__{variant.slug}__server.log"
     if settings.dry_run:
         print(shlex.join(server_cmd) + " &")
-        for input_len, rate in workload.serve_points():
+        for seed, (input_len, rate) in enumerate(workload.serve_points()):
             _, json_path, _ = _client_files(settings, workload, variant, input_len, rate)
-            print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve())))
+            print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)))
         return
     server_log.parent.mkdir(parents=True, exist_ok=True)
     (out / "json").mkdir(parents=True, exist_ok=True)
@@ -64,19 +104,19 @@ def run_served(results: Results, workload: Workload, variant: Variant, progress)
         try:
             not_ready = wait_healthy(port, server, settings.timeout)
             startup_s = round(time.monotonic() - start, 1)
-            for input_len, rate in workload.serve_points():
-                _run_client(results, workload, variant, input_len, rate, port, server_cmd, server_log, startup_s,
-                            not_ready, progress)
+            for seed, (input_len, rate) in enumerate(workload.serve_points()):
+                _run_client(results, workload, variant, input_len, rate, seed, port, server_cmd, server_log,
+                            startup_s, not_ready, progress)
         finally:
             stop(server)
 
 
-def _run_client(results: Results, workload: Workload, variant: Variant, input_len: int, rate: float, port: int,
-                server_cmd: list[str], server_log: Path, startup_s: float, not_ready: str | None, progress) -> None:
+def _run_client(results: Results, workload: Workload, variant: Variant, input_len: int, rate: float, seed: int,
+                port: int, server_cmd: list[str], server_log: Path, startup_s: float, not_ready: str | None, progress) -> None:
     settings = results.settings
     out = settings.out
     phase, json_path, log_path = _client_files(settings, workload, variant, input_len, rate)
-    cmd = client_command(settings, workload, input_len, rate, port, json_path.resolve())
+    cmd = client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)
     progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
     record = results.new_record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)),
                                 server_log=str(server_log.relative_to(out)), server_command=shlex.join(server_cmd),
@@ -89,12 +129,14 @@ def _run_client(results: Results, workload: Workload, variant: Variant, input_le
         results.add(record, progress)
         return
     json_path.unlink(missing_ok=True)
+    counters = prefix_cache_counters(port)
     start = time.monotonic()
     code, timed_out = run_logged(cmd, log_path, settings.timeout)
+    hits = hit_rate(counters, prefix_cache_counters(port))
     record["wall_s"] = round(time.monotonic() - start, 1)
     record["finished_at"] = now()
     record = results.finish(record, log_path, code, timed_out, read_json(json_path),
-                            lambda raw, log: serve_metrics(raw))
+                            lambda raw, log: {**serve_metrics(raw), **hits})
     record.update({k: v for k, v in startup_figures(read_log(server_log)).items()
                    if v not in (None, [])})  # the engine is the server's: its startup lines are in its log
     if record["status"] == "ok" and (record["metrics"].get("failed") or 0) > 0:

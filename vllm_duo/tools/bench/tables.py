@@ -111,7 +111,7 @@ def latency_table(index: RunIndex, workload: str) -> list[str]:
 
 def serve_table(index: RunIndex, workload: str) -> list[str]:
     head = ("| backend | input tokens | rate req/s | output tok/s | p99 TTFT ms | median TTFT ms | mean TPOT ms "
-            "| p99 TPOT ms | median ITL ms | done/failed | duo/dense output tok/s | duo/dense p99 TTFT "
+            "| p99 TPOT ms | median ITL ms | done/failed | prefix cache hits | duo/dense output tok/s | duo/dense p99 TTFT "
             "| duo/dense median ITL | KV cache tokens | max concurrency |")
     lines = [head, _separator(head)]
     phases = list(dict.fromkeys(r["phase"] for r in index.of(workload)))
@@ -123,15 +123,29 @@ def serve_table(index: RunIndex, workload: str) -> list[str]:
             out_tok, ttft, itl = (metric(run, key) for key in ("output_tok_s", "p99_ttft_ms", "median_itl_ms"))
             other = not is_baseline(backend)
             done = f"{fmt(metric(run, 'completed'), 0)}/{fmt(metric(run, 'failed'), 0)}"
+            hits = metric(run, "prefix_cache_hit_rate")
             ratios = [fmt(_ratio(value, metric(dense, key)) if other else None, 2, "x")
                       for value, key in ((out_tok, "output_tok_s"), (ttft, "p99_ttft_ms"), (itl, "median_itl_ms"))]
             lines.append(
                 f"| {backend} | {run['input_len']:,} | {request_rate(run)} "
                 f"| {_value_or_status(run, out_tok)} | {fmt(ttft, 0)} "
                 f"| {fmt(metric(run, 'median_ttft_ms'), 0)} | {fmt(metric(run, 'mean_tpot_ms'), 1)} "
-                f"| {fmt(metric(run, 'p99_tpot_ms'), 1)} | {fmt(itl, 1)} | {done} | " + " | ".join(ratios)
+                f"| {fmt(metric(run, 'p99_tpot_ms'), 1)} | {fmt(itl, 1)} | {done} "
+                f"| {fmt(None if hits is None else 100 * hits, 1, '%')} | " + " | ".join(ratios)
                 + " | " + " | ".join(_capacity_cells(run)) + " |")
     return lines
+
+
+def turns_table(index: RunIndex, workload: str) -> list[str]:
+    """A multi-turn chat's median time to first token by turn: how much of each resent conversation the cache saves."""
+    by_turn = [(run["backend"], run["metrics"]["median_ttft_ms_by_turn"]) for run in index.of(workload)
+               if ok(run) and (run.get("metrics") or {}).get("median_ttft_ms_by_turn")]
+    if not by_turn:
+        return []
+    head = "| backend | " + " | ".join(f"turn {n + 1} TTFT ms" for n in range(len(by_turn[0][1]))) + " |"
+    return ["Median time to first token by turn (turn 1 sends the document; later turns resend the conversation):",
+            "", head, _separator(head)] + [f"| {backend} | " + " | ".join(fmt(v, 0) for v in values) + " |"
+                                           for backend, values in by_turn]
 
 
 def engine_load_table(index: RunIndex, workload: str) -> list[str]:

@@ -31,6 +31,10 @@ class Workload:
     input_lens: tuple[int, ...] = ()  # serve: one client per prompt length, all against one server (else input_len)
     max_concurrency: int = 0  # serve: requests in flight at most (bench serve --max-concurrency); 0: no limit
     engine_args: tuple[str, ...] = ()  # added to every engine of this workload, dense and duo alike
+    dataset: str = "random"  # serve: "random" prompts, shared "documents", or multi-turn "chat" (below)
+    question_len: int = 0  # documents, chat: tokens of each question after the input_len-token document
+    num_documents: int = 0  # documents: num_prompts questions spread over this many documents, interleaved
+    turns: int = 0  # chat: num_prompts conversations of this many turns, each sent when its last answer is in
     cpu: bool = False  # a CPU-stack check of the harness (figures meaningless); not part of "all"
     measures: str = ""
 
@@ -52,6 +56,16 @@ class Workload:
     def describe(self) -> str:
         if self.kind == "latency":
             shape = f"batch {self.batch_size} x {self.input_len:,} in / {self.output_len:,} out"
+        elif self.dataset == "documents":
+            at_once = f", at most {self.max_concurrency} at once" if self.max_concurrency else ""
+            rates = ", ".join(rate_text(r) for r in self.request_rates)
+            shape = (f"{_prompts(self.num_prompts)}: {self.question_len}-token questions on {self.num_documents} "
+                     f"shared documents of {self.input_len:,} tokens, interleaved, / {self.output_len:,} out at "
+                     f"{rates} req/s{at_once}")
+        elif self.dataset == "chat":
+            shape = (f"{self.num_prompts} chats at once of {self.turns} turns: a {self.input_len:,}-token document, "
+                     f"then {self.question_len}-token questions, each turn the whole conversation so far "
+                     f"/ {self.output_len:,} out")
         elif self.kind == "serve":
             rates = ", ".join(rate_text(r) for r in self.request_rates)
             lens = " or ".join(f"{n:,}" for n in self.input_lens or (self.input_len,))
@@ -100,12 +114,32 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              measures="decode speed by context length, one server per backend: median inter-token latency of 4 "
                       "requests at once (the steps where all 4 decode), 1k to 96k (4 x 128k would not fit dense's "
                       "KV cache on an H100)"),
+    Workload("shared_docs", "serve", 33000, 24000, 256, num_prompts=64, request_rates=(2.0, 8.0),
+             dataset="documents", question_len=64, num_documents=8, engine_args=("--enable-prefix-caching",),
+             measures="question answering over shared documents: each 24k-token document is prefilled once and its "
+                      "other questions hit the prefix cache; output tok/s, TTFT and hit rate at a rate dense "
+                      "sustains and one it does not"),
+    Workload("chat_turns", "serve", 20000, 16000, 256, num_prompts=16, request_rates=(float("inf"),),
+             dataset="chat", question_len=128, turns=6, engine_args=("--enable-prefix-caching",),
+             measures="multi-turn chat over a 16k-token document: every turn resends the conversation, so all but "
+                      "its newest tokens should hit the prefix cache; output tok/s, TTFT by turn, hit rate"),
+    Workload("repeat_32k", "serve", 33000, 32000, 16, num_prompts=9, max_concurrency=1,
+             request_rates=(float("inf"),), dataset="documents", question_len=32, num_documents=1,
+             engine_args=("--enable-prefix-caching",),
+             measures="time to first token of a repeated 32k-token document: one request at a time, the first "
+                      "cold, the other 8 hits (their median is the hit's TTFT)"),
     Workload("tiny", "throughput", 512, 128, 16, num_prompts=4, engine_args=_CPU_ARGS, cpu=True,
              measures="CPU check that the harness works (SmolLM2-135M); the figures mean nothing"),
     Workload("tiny_latency", "latency", 512, 128, 8, batch_size=2, prefill_baseline=True, engine_args=_CPU_ARGS,
              cpu=True, measures="CPU check of the latency path (with its output-1 baseline)"),
     Workload("tiny_serve", "serve", 512, 128, 16, num_prompts=4, request_rates=(float("inf"),),
              engine_args=_CPU_ARGS, cpu=True, measures="CPU check of the server path"),
+    Workload("tiny_docs", "serve", 1024, 256, 8, num_prompts=6, request_rates=(float("inf"),), dataset="documents",
+             question_len=32, num_documents=2, engine_args=("--enable-prefix-caching", *_CPU_ARGS), cpu=True,
+             measures="CPU check of the shared-documents path and the hit rate"),
+    Workload("tiny_chat", "serve", 1024, 200, 8, num_prompts=2, request_rates=(float("inf"),), dataset="chat",
+             question_len=32, turns=3, engine_args=("--enable-prefix-caching", *_CPU_ARGS), cpu=True,
+             measures="CPU check of the multi-turn chat client"),
 )}
 GPU_WORKLOADS = tuple(name for name, w in WORKLOADS.items() if not w.cpu)
 
@@ -122,10 +156,13 @@ def parse_workloads(names: list[str]) -> list[Workload]:
     return [WORKLOADS[name] for name in dict.fromkeys(chosen)]
 
 
+_FIXED = ("name", "kind", "cpu", "measures", "dataset")
+
+
 def _coerce(workload: Workload, key: str, text: str):
     fields = {f.name: f for f in dataclasses.fields(Workload)}
-    if key not in fields or key in ("name", "kind", "cpu", "measures"):
-        settable = [n for n in fields if n not in ("name", "kind", "cpu", "measures")]
+    if key not in fields or key in _FIXED:
+        settable = [n for n in fields if n not in _FIXED]
         raise BenchError(f"cannot set {key!r} of a workload: settable are {', '.join(settable)}")
     current = getattr(workload, key)
     try:
