@@ -2,11 +2,10 @@
 """Requests that arrive, finish and get aborted at different times: each output equals the request served
 alone, and once all have ended no KV block (ring blocks included) is still held."""
 
-import gc
 
 import pytest
 
-from engines import greedy, make_llm, random_pattern, text_of_tokens
+from engines import greedy, make_llm, random_pattern, release, text_of_tokens
 from vllm_duo.capacity import held_blocks
 
 # (arrival step, prompt tokens, max new tokens, abort at step or None)
@@ -29,8 +28,7 @@ def engine(smollm2_dir, tmp_path_factory):
     llm = make_llm(smollm2_dir, {"pattern": pattern, "sparsity": 0.5}, max_model_len=2048,
                    max_num_batched_tokens=128, num_gpu_blocks_override=160)
     yield llm
-    del llm
-    gc.collect()
+    release(llm)
 
 
 def test_staggered_batch_with_aborts_equals_solo_runs(engine, smollm2_dir):

@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Duo must reduce to dense attention when no head is streaming, or when the window covers everything."""
 
-import gc
 
 import pytest
 
-from engines import greedy, make_llm, random_pattern, text_of_tokens
+from engines import greedy, make_llm, random_pattern, release, text_of_tokens
 
 PROMPT_LENGTHS = [7, 33, 120, 250, 511, 700, 1100, 1500]
 MAX_TOKENS = 24
@@ -24,16 +23,14 @@ def prompts(smollm2_dir):
 def dense_tokens(smollm2_dir, prompts):
     llm = make_llm(smollm2_dir, max_num_batched_tokens=CHUNK)
     tokens = greedy(llm, prompts, MAX_TOKENS)
-    del llm
-    gc.collect()
+    release(llm)
     return tokens
 
 
 def duo_tokens(model, prompts, duo):
     llm = make_llm(model, duo, max_num_batched_tokens=CHUNK)
     tokens = greedy(llm, prompts, MAX_TOKENS)
-    del llm
-    gc.collect()
+    release(llm)
     return tokens
 
 

@@ -6,12 +6,11 @@ A 50% pattern with a small window (sink 16, recent 64), prompts of 500-2000 toke
 holds for the layer-exclusive (ZigzagAttention) pattern made from it, on one prompt.
 """
 
-import gc
 
 import numpy as np
 import pytest
 
-from engines import make_llm, random_pattern, text_of_tokens
+from engines import make_llm, random_pattern, release, text_of_tokens
 from hf_reference import DuoReference
 
 SINK, RECENT = 16, 64
@@ -50,8 +49,7 @@ def case(request, smollm2_dir, tmp_path_factory):
     llm = make_llm(smollm2_dir, {"pattern": path, "sparsity": 0.5}, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    del llm
-    gc.collect()
+    release(llm)
     return mask, prompts, outputs
 
 

@@ -13,11 +13,9 @@ e4m3, 0.097 for e5m2), and by greedy tokens that may part only at near-ties. Fro
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
-from engines import (assert_same_greedy, greedy_with_logprobs, make_llm, prompt_logprob_gap, random_pattern,
+from engines import (assert_same_greedy, greedy_with_logprobs, make_llm, prompt_logprob_gap, random_pattern, release,
                      text_of_tokens)
 
 PROMPT_LENGTHS = [120, 700, 1500, 2500]  # under and well over sink + recent = 320
@@ -45,8 +43,7 @@ def run(smollm2_dir, prompts):
         if key not in done:
             llm = make_llm(smollm2_dir, duo, max_num_batched_tokens=512, **engine_args)
             done[key] = greedy_with_logprobs(llm, prompts, MAX_TOKENS)
-            del llm
-            gc.collect()
+            release(llm)
         return done[key]
 
     return outcome

@@ -2,10 +2,11 @@
 """The plugin in a real vLLM engine: `attention_backend="duo"` parses, and every attention layer runs duo;
 vLLM's V2 model runner (the GPU default) sizes block table rows for duo's streaming page groups too."""
 
-import gc
 from types import SimpleNamespace
 
 import pytest
+
+from engines import release
 import torch
 
 
@@ -30,8 +31,7 @@ def test_every_layer_resolves_the_duo_backend(smollm2_dir):
     assert len(layers) == 30
     assert {layer.get_attn_backend() for layer in layers.values()} == {DuoAttentionBackend}
     assert held_blocks(llm) == 0
-    del llm
-    gc.collect()
+    release(llm)
 
 
 class _WidthRecorded(Exception):

@@ -9,12 +9,11 @@ cache. No request may leave a block held.
 
 from __future__ import annotations
 
-import gc
 from types import SimpleNamespace
 
 import pytest
 
-from engines import make_llm, text_of_tokens
+from engines import make_llm, release, text_of_tokens
 
 BLOCK, SINK, RECENT = 4, 4, 6  # the manager tests: kv_cache.py's worked example
 DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
@@ -147,8 +146,7 @@ def assert_same_as_cold(got: dict, reference: dict) -> None:
 def llm(smollm2_dir):
     engine = make_llm(smollm2_dir, DUO, max_num_batched_tokens=256)  # vLLM's default: prefix caching on
     yield engine
-    del engine
-    gc.collect()
+    release(engine)
 
 
 def test_hit_equals_cold_after_a_sampled_request(llm, texts):
@@ -216,5 +214,4 @@ def test_hits_under_preemption_and_eviction(smollm2_dir, texts):
             assert_same_as_cold(got, cold(small, prompt, max_tokens=32))
         assert_same_as_cold(after_eviction, cold(small, documents[0] + questions[5]))
     finally:
-        del small
-        gc.collect()
+        release(small)

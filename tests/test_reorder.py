@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Head reordering at weight load: the attention block computes the same function, retrieval heads come first."""
 
-import gc
 
 import numpy as np
 import pytest
@@ -52,7 +51,7 @@ def test_engine_loads_reordered_weights(smollm2_dir, tmp_path):
     """In vLLM, each layer's K rows are the checkpoint's, retrieval heads first, and the layer is marked."""
     from safetensors.torch import load_file
 
-    from engines import make_llm, random_pattern
+    from engines import make_llm, random_pattern, release
     from vllm_duo.pattern import HeadPattern
 
     pattern = random_pattern(tmp_path / "p.json", seed=3)
@@ -66,8 +65,7 @@ def test_engine_loads_reordered_weights(smollm2_dir, tmp_path):
                 for layer in model.model.layers]
 
     (loaded,) = llm.apply_model(k_rows_and_orders)
-    del llm
-    gc.collect()
+    release(llm)
     checkpoint = load_file(f"{smollm2_dir}/model.safetensors")
     for index, (k_rows, order) in enumerate(loaded):
         retrieval = [int(h) for h in np.flatnonzero(mask[index])]

@@ -5,12 +5,11 @@ SmolLM2's 3 KV heads split over 3 ranks on the CPU stack (one KV head and 3 quer
 engines here run `--tensor-parallel-size 3` with vLLM's multiprocessing executor.
 """
 
-import gc
 
 import numpy as np
 import pytest
 
-from engines import make_llm, random_pattern, text_of_tokens
+from engines import make_llm, random_pattern, release, text_of_tokens
 from vllm_duo.config import DuoPlan, ModelShape, rank_kv_heads
 from vllm_duo.pattern import PatternError
 
@@ -92,8 +91,7 @@ def run(model, prompts, duo, tp_size):
         llm = make_llm(model, duo, max_model_len=1024, max_num_batched_tokens=128, **kwargs)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        del llm
-        gc.collect()
+        release(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs]
     return tokens, np.array(logprobs)
