@@ -2,11 +2,11 @@
 """vLLM's OpenAI-compatible server with duo: conformance, load with preemption and disconnects, bad input.
 
 One real server on 127.0.0.1 (SmolLM2, float32, duo at sparsity 0.5) for all the module's server tests, and a
-second one with `--kv-cache-dtype fp8` for those the KV dtype can change (startup figures, a prefix-cache hit, the
-load test), each with a KV cache of NUM_BLOCKS 16-token blocks. Each request holds a page per 16 tokens plus, for
-those of its sink and window, a streaming page group (one block each for this pattern), and
-`--long-prefill-token-threshold` admits a prompt with its first 64 tokens only: vLLM fills the cache with partly
-prefilled requests that then outgrow it, so it must preempt under load. Bad duo settings
+second one with `--kv-cache-dtype fp8` for those the KV dtype can change (startup figures, a prefix-cache hit),
+each with a KV cache of NUM_BLOCKS 16-token blocks. Each request holds a page per 16 tokens plus, for those of
+its sink and window, a streaming page group (one block each for this pattern), and `--long-prefill-token-threshold`
+admits a prompt with its first 64 tokens only: vLLM fills the cache with partly prefilled requests that then
+outgrow it, so it must preempt under load. Bad duo settings
 each get their own short-lived server process, which must exit non-zero before any model work with the problem
 named on its last line.
 """
@@ -210,8 +210,10 @@ def server(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_server(smollm2_dir, tmp_path_factory):
-    """The same server with `--kv-cache-dtype fp8`, for what the KV dtype can change: the startup figures, a
-    prefix-cache hit and the load test."""
+    """The same server with `--kv-cache-dtype fp8`, for what the KV dtype can change: the startup figures and a
+    prefix-cache hit. (Under load, dense vLLM's own CPU backend with fp8 KV answers one of the load test's 18 jobs
+    differently than alone, parting at a 1.35-nat gap, and duo does the same: an exact load check cannot hold at
+    fp8, and block accounting, which the load test checks, does not depend on the KV dtype.)"""
     yield from start_server("fp8", smollm2_dir, tmp_path_factory)
 
 
@@ -453,8 +455,7 @@ def counters(port: int) -> dict[str, float]:
     return {key: metric(port, name, **labels) for key, (name, labels) in COUNTERS.items()}
 
 
-def test_concurrent_load_with_preemption_and_hang_ups(either_server, smollm2_dir):
-    server = either_server
+def test_concurrent_load_with_preemption_and_hang_ups(server, smollm2_dir):
     from transformers import AutoTokenizer
 
     jobs, clients = load_jobs(AutoTokenizer.from_pretrained(smollm2_dir))
@@ -485,13 +486,7 @@ def test_concurrent_load_with_preemption_and_hang_ups(either_server, smollm2_dir
     alone = [openai_client.completions.create(model=MODEL, prompt=job.prompt, max_tokens=job.max_tokens, temperature=0,
                                               extra_body={"ignore_eos": True}).choices[0].text for job in jobs]
     mismatches = [(j, len(jobs[j].prompt), text, alone[j]) for j, text in completed if text != alone[j]]
-    if server.kv_cache_dtype == "auto":
-        assert not mismatches, mismatches
-    else:
-        # fp8 on the CPU stack: dense vLLM's own CPU backend, run through this same test, answers one of the 18 jobs
-        # (job 2, 4 clients) differently under load than alone, parting where its alone run's top two tokens are
-        # 1.35 nats apart; duo parts on the same job the same way. So fp8 is held to dense's behaviour, not identity.
-        assert len({j for j, *_ in mismatches}) <= 2, mismatches
+    assert not mismatches, mismatches
     assert_alive(server)
     assert metric(port, "vllm:kv_cache_usage_perc") == 0
 
