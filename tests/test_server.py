@@ -126,17 +126,31 @@ BAD_SETTINGS = {  # case: (duo settings from tmp_path, what the last line of std
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_SETTINGS))
-def test_bad_duo_settings_stop_the_server_with_one_clear_line(case, smollm2_dir, tmp_path):
-    make_settings, expected = BAD_SETTINGS[case]
-    command = server_command(smollm2_dir, free_port(), make_settings(tmp_path))
-    process = subprocess.Popen(command, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+@pytest.fixture(scope="module")
+def bad_settings_runs(smollm2_dir, tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of a server started with each case's settings, all started at once (each spends
+    its time importing vLLM)."""
+    processes = {}
+    for case, (make_settings, _) in BAD_SETTINGS.items():
+        command = server_command(smollm2_dir, free_port(), make_settings(tmp_path_factory.mktemp("bad")))
+        processes[case] = subprocess.Popen(command, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True, start_new_session=True)
+    runs = {}
     try:
-        out, err = process.communicate(timeout=180)
+        for case, process in processes.items():
+            out, err = process.communicate(timeout=240)
+            runs[case] = (process.returncode, out, err)
     finally:
-        stop(process)
-    assert process.returncode not in (0, None)
+        for process in processes.values():
+            stop(process)
+    return runs
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_bad_duo_settings_stop_the_server_with_one_clear_line(case, bad_settings_runs):
+    _, expected = BAD_SETTINGS[case]
+    returncode, out, err = bad_settings_runs[case]
+    assert returncode not in (0, None)
     last_line = err.strip().splitlines()[-1]
     # vLLM prints the traceback of any startup error; the last line is the duo message, one line.
     assert re.search(r"vllm_duo\.config\.DuoConfigError: " + expected, last_line), last_line
