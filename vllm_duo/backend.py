@@ -143,7 +143,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         block_size = vllm_config.cache_config.block_size
         layout = plan_from_vllm_config(vllm_config).page_layout(block_size,
                                                                 vllm_config.parallel_config.tensor_parallel_size)
-        self.stride = 1 + layout.streaming_blocks
+        self.stride = layout.stride
         self.retrieval_table = None
         if device.type == "cuda" and self.stride > 1:
             rows = max(vllm_config.scheduler_config.max_num_seqs,
@@ -218,7 +218,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             retrieval = plan.retrieval_heads(index, rank, tp_size)
             if getattr(layer, "duo_head_order", None) is not None:  # reordered at load: retrieval heads first
                 retrieval = list(range(len(retrieval)))
-            self.heads = LayerHeads.build(retrieval, self.num_kv_heads, self.num_heads, 1 + layout.streaming_blocks,
+            self.heads = LayerHeads.build(retrieval, self.num_kv_heads, self.num_heads, layout.stride,
                                           plan.sink, plan.recent, placement.offset if placement else 0,
                                           device=layer.kv_cache.device)
         return self.heads

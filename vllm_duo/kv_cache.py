@@ -71,14 +71,10 @@ class DuoAttentionSpec(FullAttentionSpec):
     def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
         return self.stride * cdiv(max_len, self.block_size)
 
-    def blocks_held(self, num_tokens: int) -> int:
-        """Blocks a request of `num_tokens` tokens holds between steps: its pages, and the page groups of
-        its sink and window (`streaming_groups_held`)."""
-        groups = streaming_groups_held(num_tokens, self.sink, self.recent, self.block_size)
-        return cdiv(num_tokens, self.block_size) + self.streaming_blocks * groups
-
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        return self.blocks_held(vllm_config.model_config.max_model_len) * self.page_size_bytes
+        held = blocks_held(vllm_config.model_config.max_model_len, self.streaming_blocks, self.sink, self.recent,
+                           self.block_size)
+        return held * self.page_size_bytes
 
     @classmethod
     def merge(cls, specs):
@@ -92,8 +88,14 @@ def streaming_groups_held(num_tokens: int, sink: int, recent: int, block_size: i
     """Token blocks whose streaming page group a request of `num_tokens` computed tokens keeps: the sink
     blocks and those reaching into the next query's window (positions >= num_tokens - recent + 1)."""
     blocks = cdiv(num_tokens, block_size)
-    freed = max(0, num_tokens - recent + 1) // block_size - cdiv(sink, block_size)
+    freed = _first_window_block(num_tokens, recent, block_size) - cdiv(sink, block_size)
     return blocks - max(0, min(freed, blocks - cdiv(sink, block_size)))
+
+
+def blocks_held(num_tokens: int, streaming_blocks: int, sink: int, recent: int, block_size: int) -> int:
+    """Blocks a request of `num_tokens` tokens holds between steps: its pages, and the `streaming_blocks`-block
+    page groups of its sink and window (`streaming_groups_held`)."""
+    return cdiv(num_tokens, block_size) + streaming_blocks * streaming_groups_held(num_tokens, sink, recent, block_size)
 
 
 class DuoKVCacheManager(SingleTypeKVCacheManager):
@@ -258,11 +260,15 @@ class PageLayout:
     streaming_blocks: int
     placements: tuple[StreamPlacement | None, ...]
 
+    @property
+    def stride(self) -> int:
+        """Block table columns per token block: the page and the page group's blocks."""
+        return 1 + self.streaming_blocks
+
     def bytes_per_request(self, num_tokens: int, block_size: int, head_dim: int, dtype_bytes: int, sink: int,
                           recent: int) -> int:
-        """KV bytes a request of `num_tokens` tokens holds between steps (`DuoAttentionSpec.blocks_held`)."""
-        groups = streaming_groups_held(num_tokens, sink, recent, block_size)
-        blocks = cdiv(num_tokens, block_size) + self.streaming_blocks * groups
+        """KV bytes a request of `num_tokens` tokens holds between steps (`blocks_held`)."""
+        blocks = blocks_held(num_tokens, self.streaming_blocks, sink, recent, block_size)
         row = sum(p * head_dim if p else STUB_HEAD_SIZE for p in self.page_heads)
         return blocks * block_size * 2 * row * dtype_bytes
 
