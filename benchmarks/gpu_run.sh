@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after ../shared/gpu's install (vLLM 0.26 in /tmp/site): installs vllm-duo there,
-# then the named stages; logs and JSON go to $OUT. usage: bash benchmarks/gpu_run.sh STAGE...
+# then the named stages; logs and JSON go to $OUT. usage: VLLM_DUO_COMMIT=<commit> bash benchmarks/gpu_run.sh STAGE...
+# (the machine gets the working tree without .git: the commit the results name comes from VLLM_DUO_COMMIT)
 set -uo pipefail
 export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,13 +16,19 @@ bench() {  # bench NAME ARGS...: vllm-duo bench, dense vs duo, Llama-3.1-8B shap
 suite() {  # suite ARGS...: one part of a suite split over the calls of one warm machine (all parts in one folder)
   bench suite "$@"
 }
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+# INSTALLED=1: an earlier call of this machine installed it (stages run side by side must not install at once)
+[ -n "${INSTALLED:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . \
+  > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
 for stage in "$@"; do
   echo "== $stage $(date +%T), GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"
   case $stage in
     tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernel_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
     e2e_tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpu_e2e_tests.log" | tail -15 ;;
+    e2e_bf16) for group in "triton_path or all_retrieval_equals" "cuda_graphs or prefix_hit"; do  # two at once
+        timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$group" tests/test_gpu_e2e.py \
+          > "$OUT/gpu_e2e_${group%% *}.log" 2>&1 &
+      done; wait; tail -n 4 "$OUT"/gpu_e2e_*.log ;;
     # the full suite (issue 6) in parts of at most ~8 minutes; each workload's dense and duo runs on one machine
     suite1) suite --workloads capacity --capacity-sparsity 0.25 0.5 0.75; suite --workloads ttft_128k --only dense ;;
     suite2) suite --workloads ttft_128k --only duo; suite --workloads tpot_64k --only dense ;;

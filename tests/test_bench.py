@@ -116,6 +116,10 @@ def test_multi_turn_chat_hits_the_prefix_cache_on_cpu(smollm2_dir, tmp_path, sub
     assert metrics["completed"] == 6 and metrics["failed"] == 0 and metrics["output_tok_s"] > 0
     assert len(metrics["median_ttft_ms_by_turn"]) == 3
     assert metrics["prefix_cache_hit_rate"] > 0.4  # turns 2 and 3 resend what turns 1 and 2 prefilled (61% measured)
+    (raw,) = (out / "json").glob("tiny_chat*.json")
+    turns = json.loads(raw.read_text())["turns"]
+    assert sorted((t["conversation"], t["turn"]) for t in turns) == [(c, n) for c in range(2) for n in range(3)]
+    assert all(0 < t["ttft_ms"] <= t["latency_ms"] for t in turns)
     report = (out / "results.md").read_text()
     assert "prefix cache hits" in report and "turn 3 TTFT ms" in report
 

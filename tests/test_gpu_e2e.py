@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """End to end on the GPU: the Triton path equals the PyTorch path, CUDA graphs equal eager, all-retrieval duo
-equals FLASH_ATTN, and with fp8 KV duo follows FLASH_ATTN fp8."""
+equals FLASH_ATTN, with fp8 KV duo follows FLASH_ATTN fp8, and a prefix-cache hit answers as cold."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from engines import assert_same_greedy, generate_in_subprocess, prompt_logprob_gap, random_pattern
+from engines import NEAR_TIE, assert_same_greedy, generate_in_subprocess, prompt_logprob_gap, random_pattern
 
 pytestmark = pytest.mark.gpu
 
@@ -72,3 +75,63 @@ def test_fp8_costs_duo_what_it_costs_flash_attn(fp8_runs):
     duo_cost = prompt_logprob_gap(fp8_runs["duo50 fp8"], fp8_runs["duo50"])
     print(f"fp8 costs FLASH_ATTN {dense_cost:.4f} and duo 50% {duo_cost:.4f} nats per prompt token")
     assert duo_cost <= FP8_COST_RATIO * dense_cost
+
+
+HIT_VS_COLD = r"""
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+sys.path.insert(0, "tests")
+from engines import text_of_tokens
+from vllm_duo.capacity import held_blocks
+llm = LLM(**json.loads(sys.argv[1]))
+tok = llm.get_tokenizer()
+sampling = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+def run(prompt):
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)[0]
+    steps = [sorted((e.logprob for e in step.values()), reverse=True) for step in out.outputs[0].logprobs]
+    return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+            "logprobs": [s[0] for s in steps], "gaps": [s[0] - s[1] for s in steps]}
+for n in (600, 1500, 2500):
+    doc = text_of_tokens(tok, n, seed=n)[:-20]
+    first, second = (doc + tok.encode(f" Question {q}: what came {q}? Answer:", add_special_tokens=False)
+                     for q in ("first", "last"))
+    run(first)
+    hit = run(second)
+    llm.reset_prefix_cache()
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    print("RESULT", json.dumps({"doc": len(doc), "shared": shared, "hit": hit, "cold": run(second),
+                                "held": held_blocks(llm)}))
+"""
+
+
+def hit_and_cold(model, backend, duo) -> list[dict]:
+    """Per document: a request after one that shared its document (a hit), the same request cold, blocks held."""
+    engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, dtype="bfloat16",
+                  max_num_batched_tokens=256, enable_prefix_caching=True, attention_backend=backend)
+    if duo:
+        engine["additional_config"] = {"duo": duo}
+    result = subprocess.run([sys.executable, "-c", HIT_VS_COLD, json.dumps(engine)], capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    found = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(found) == 3, result.stderr[-3000:]
+    return found
+
+
+def test_prefix_hit_answers_as_cold(model):
+    """With CUDA graphs and chunked prefill, a request that hits the cache (pages, sink and window groups) gives what
+    it gives cold: the same tokens up to a near-tie, logprobs moved no more than dense FA3's own hit-vs-cold rounding
+    moves them (floor 0.1 nats; a wrong window moves them far more), every full block of the document cached, and no
+    block held once all requests are done."""
+    duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
+    dense, ours = hit_and_cold(model, "FLASH_ATTN", None), hit_and_cold(model, "duo", duo)
+
+    def moved(run, upto=None):
+        pairs = zip(run["hit"]["logprobs"][:upto], run["cold"]["logprobs"][:upto])
+        return max((abs(a - b) for a, b in pairs), default=0.0)
+
+    bound = max(0.1, 3 * max(moved(run) for run in dense))
+    for run in ours:
+        assert run["hit"]["cached"] == run["shared"] // 16 * 16 and run["held"] == 0
+        first = next((i for i, (a, b) in enumerate(zip(run["hit"]["tokens"], run["cold"]["tokens"])) if a != b), None)
+        assert first is None or run["cold"]["gaps"][first] < NEAR_TIE, f"{run['doc']}-token document"
+        assert moved(run, first) < bound, f"{run['doc']}-token document"

@@ -92,7 +92,8 @@ async def _conversation(session, url, model, index, args, text: TextOfTokens, tu
 
 
 def summary(turns: list[Turn], duration: float, num_turns: int) -> dict:
-    """`vllm bench serve`'s keys for the completed turns, plus the median TTFT of each turn number."""
+    """`vllm bench serve`'s keys for the completed turns, the median TTFT of each turn number, and every turn's own
+    record (`turns`: a slow median is then either a stall that hit many turns at once or a steady cost)."""
     done = [t for t in turns if t.ok]
     ms = lambda values, q: float(np.percentile(values, q) * 1e3) if values else None  # noqa: E731
     ttft = [t.ttft_s for t in done]
@@ -111,7 +112,10 @@ def summary(turns: list[Turn], duration: float, num_turns: int) -> dict:
             else None, "p99_e2el_ms": ms([t.latency_s for t in done], 99),
             "median_ttft_ms_by_turn": [ms([t.ttft_s for t in done if t.turn == n], 50) for n in range(num_turns)],
             "mean_prompt_tokens_by_turn": [float(np.mean([t.prompt_tokens for t in done if t.turn == n]))
-                                           if any(t.turn == n for t in done) else None for n in range(num_turns)]}
+                                           if any(t.turn == n for t in done) else None for n in range(num_turns)],
+            "turns": [{"conversation": t.conversation, "turn": t.turn, "ok": t.ok, "prompt_tokens": t.prompt_tokens,
+                       "output_tokens": t.output_tokens, "ttft_ms": t.ttft_s * 1e3, "latency_ms": t.latency_s * 1e3}
+                      for t in turns]}
 
 
 async def run(args) -> dict:

@@ -24,8 +24,8 @@ max(FLOPs / peak FLOP/s, bytes / peak bandwidth) on the device, for a Llama-styl
 - "limit" is the model's duo/dense ratio of the table's headline metric; "reached" is the measured improvement
   divided by the model's (speedup for throughput and concurrency, dense time / duo time for latencies): 100% means
   duo gained all the model allows, above 100% that dense ran further from its own limit than duo did.
-- Not modelled: scheduling gaps, kernel efficiency, prefix caching (on for dense by default, off for duo), CUDA
-  graphs, sampling and detokenization, and online serving (rate-limited; no limit is given for serve runs).
+- Not modelled: scheduling gaps, kernel efficiency, prefix caching (the same setting on both sides; shared-prefix
+  workloads report the hit rate they got), CUDA graphs, sampling and detokenization, and online serving (rate-limited; no limit is given for serve runs).
 """
 
 # Dense BF16 tensor-core FLOP/s and memory bandwidth from the vendors' data sheets; the first name contained in the
