@@ -85,6 +85,12 @@ for stage in "$@"; do
     # issue 19: prefix caching on both sides, bf16 and fp8 (ONLY=dense or duo: one backend per call)
     prefix_docs) bench prefix --workloads shared_docs --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
     prefix_chat) bench prefix --workloads chat_turns repeat_32k --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
+    profile)  # issue 22: step times and torch profiles, dense then duo, the chat_turns shape (KV=auto|fp8)
+      for backend in dense duo; do
+        timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_steps.py --backend $backend --model /tmp/llama8b \
+          --tokenizer /tmp/smol --load-format dummy --kv-cache-dtype ${KV:-auto} --out "$OUT/profile_${backend}_${KV:-auto}.json" \
+          > "$OUT/profile_${backend}_${KV:-auto}.log" 2>&1; grep -A40 "^== " "$OUT/profile_${backend}_${KV:-auto}.log" | cut -c1-150
+      done ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     kernels_fp8) timeout 300 python3 benchmarks/kernels_bench.py --fp8 2>&1 | tee "$OUT/kernels_bench_fp8.log" | tail -30 ;;
     *) echo "unknown stage $stage"; exit 2 ;;

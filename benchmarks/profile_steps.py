@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where an engine step's time goes, dense against duo (issue 22): step wall times and a torch profile.
+
+One in-process vLLM engine per run (`--backend dense` or `duo`), CUDA graphs and prefix caching on, as served:
+
+  decode: B requests of C context tokens decoding together; the timed steps are decode-only (full CUDA graphs).
+  mixed:  the chat_turns case. The B documents are cached; B - 1 requests decode and one more arrives that hits
+          its document's C tokens and prefills N new ones. The timed step is the one that holds that prefill
+          (piecewise graphs, attention eager), against the decode-only step after it; the profile covers both.
+
+It prints and writes (`--out`, JSON) the median wall time of each kind of step (`engine.step()`: schedule, model,
+sampling, outputs), and the torch profiler's top CUDA kernels and CPU ops over P steps of each kind, per step.
+Kernels inside a full CUDA graph show as one graph launch. Run once per backend on the same machine:
+
+    python benchmarks/profile_steps.py --backend dense --model /tmp/llama8b --tokenizer /tmp/smol --load-format dummy
+    python benchmarks/profile_steps.py --backend duo ... --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: one profile
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=("dense", "duo"), required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--tokenizer")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--pattern", default="Meta-Llama-3.1-8B-Instruct")
+    p.add_argument("--sparsity", type=float, default=0.5)
+    p.add_argument("--batch", type=int, default=16, help="B: requests at once")
+    p.add_argument("--context", type=int, default=16000, help="C: tokens of each request's document")
+    p.add_argument("--new-tokens", type=int, default=384, help="N: tokens the arriving request prefills past its hit")
+    p.add_argument("--steps", type=int, default=8, help="P: profiled steps of each kind")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU stack)")
+    p.add_argument("--out", help="JSON file for the results")
+    return p.parse_args(argv)
+
+
+def build_engine(args):
+    from vllm import LLM
+
+    engine = dict(model=args.model, tokenizer=args.tokenizer or args.model, load_format=args.load_format,
+                  dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.context + 1024,
+                  enable_prefix_caching=True, enforce_eager=args.enforce_eager, seed=0)
+    if args.backend == "duo":
+        engine.update(attention_backend="duo", additional_config={"duo": {"pattern": args.pattern,
+                                                                          "sparsity": args.sparsity}})
+    return LLM(**engine)
+
+
+def documents(batch: int, length: int, vocab: int = 30000) -> list[list[int]]:
+    """Distinct token documents (token ids 1000..1000+vocab, seeded), one per request."""
+    import random
+
+    rng = random.Random(0)
+    return [[1000 + rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
+
+
+class Steps:
+    """Drives `engine.step()` and times each step, labelled by what it ran."""
+
+    def __init__(self, llm):
+        self.engine = llm.llm_engine
+        self.times: dict[str, list[float]] = {}
+
+    def add(self, name: str, prompt: list[int], max_tokens: int) -> None:
+        from vllm import SamplingParams, TokensPrompt
+
+        self.engine.add_request(name, TokensPrompt(prompt_token_ids=prompt),
+                                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+    def step(self, kind: str | None = None) -> None:
+        import torch
+
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        start = time.perf_counter()
+        self.engine.step()
+        if kind:
+            self.times.setdefault(kind, []).append((time.perf_counter() - start) * 1e3)
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def profile(run_steps, steps: int) -> dict:
+    """The torch profiler over `run_steps()`: top CUDA kernels and CPU ops, per step."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        run_steps()
+    events = prof.key_averages()
+    device_time = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    kernels = sorted((e for e in events if device_time(e) > 0), key=device_time, reverse=True)
+    cpu_ops = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"kernels": [{"name": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": device_time(e) / steps}
+                        for e in kernels[:25]],
+            "device_us_per_step": sum(device_time(e) for e in events) / steps,
+            "launches_per_step": sum(e.count for e in kernels) / steps,
+            "cpu_ops": [{"name": e.key[:90], "calls_per_step": e.count / steps,
+                         "self_cpu_us_per_step": e.self_cpu_time_total / steps} for e in cpu_ops[:25]]}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    llm = build_engine(args)
+    steps = Steps(llm)
+    docs = documents(args.batch, args.context)
+    for i, doc in enumerate(docs):  # fill the prefix cache: every document prefilled once
+        steps.add(f"fill{i}", doc, 1)
+    steps.drain()
+
+    # decode: B requests decoding (their documents hit the cache), timed once all are past their prefill
+    for i, doc in enumerate(docs):
+        steps.add(f"dec{i}", doc + [7] * 16, 1000)
+    for _ in range(8):
+        steps.step()
+    for _ in range(16):
+        steps.step("decode")
+    result = {"decode": profile(lambda: [steps.step() for _ in range(args.steps)], args.steps)}
+    steps.engine.abort_request([f"dec{i}" for i in range(args.batch)])
+    steps.drain()
+
+    # mixed: B - 1 decoding, then one arriving request that hits its document and prefills N new tokens
+    new = [11] * args.new_tokens
+    for i, doc in enumerate(docs[1:], start=1):
+        steps.add(f"mix{i}", doc + [7] * 16, 1000)
+    for _ in range(8):
+        steps.step()
+
+    def mixed_steps(label):
+        for k in range(args.steps):
+            steps.add(f"arrive{label}{k}", docs[0] + [label, k] + new, 1)
+            steps.step("mixed" if label == 5 else None)  # holds the arriving request's prefill (and its one token)
+            steps.step("decode_between" if label == 5 else None)
+
+    mixed_steps(3)  # warm-up: first hits of this shape
+    mixed_steps(5)
+    result["mixed"] = profile(lambda: mixed_steps(9), args.steps)
+    steps.engine.abort_request([f"mix{i}" for i in range(1, args.batch)])
+    steps.drain()
+
+    result["step_ms"] = {kind: statistics.median(times) for kind, times in steps.times.items()}
+    result["settings"] = {k: v for k, v in vars(args).items() if k != "out"}
+    print(f"== {args.backend}: median step ms {json.dumps({k: round(v, 2) for k, v in result['step_ms'].items()})}")
+    for kind in ("decode", "mixed"):
+        r = result[kind]
+        print(f"-- {kind}: {r['launches_per_step']:.0f} kernel launches, {r['device_us_per_step']:.0f} us device "
+              f"time per step (mixed: per pair of a prefill step and a decode step)")
+        for e in r["kernels"][:12]:
+            print(f"   {e['us_per_step']:9.1f} us {e['calls_per_step']:6.1f}x  {e['name']}")
+        print("   top CPU ops (self):")
+        for e in r["cpu_ops"][:8]:
+            print(f"   {e['self_cpu_us_per_step']:9.1f} us {e['calls_per_step']:6.1f}x  {e['name']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
