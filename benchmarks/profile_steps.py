@@ -9,7 +9,8 @@ One in-process vLLM engine per run (`--backend dense` or `duo`), CUDA graphs and
           (piecewise graphs, attention eager), against the decode-only step after it; the profile covers both.
 
 It prints and writes (`--out`, JSON) the median wall time of each kind of step (`engine.step()`: schedule, model,
-sampling, outputs), and the torch profiler's top CUDA kernels and CPU ops over P steps of each kind, per step.
+sampling, outputs), the torch profiler's top CUDA kernels and CPU ops over P steps of each kind, per step, and
+cProfile's top Python functions over another P (the Python under a custom op, Triton's launcher included).
 Kernels inside a full CUDA graph show as one graph launch. Run once per backend on the same machine:
 
     python benchmarks/profile_steps.py --backend dense --model /tmp/llama8b --tokenizer /tmp/smol --load-format dummy
@@ -113,6 +114,21 @@ def profile(run_steps, steps: int) -> dict:
                          "self_cpu_us_per_step": e.self_cpu_time_total / steps} for e in cpu_ops[:25]]}
 
 
+def python_profile(run_steps, steps: int) -> list[dict]:
+    """cProfile over `run_steps()`: the Python functions with the most own time per step (the torch profiler
+    attributes a custom op's Python, Triton's launcher included, to the op's self time)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run_steps)
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:30]
+    return [{"function": f"{path.rsplit('/', 2)[-1]}:{line}({name})", "calls_per_step": calls / steps,
+             "own_us_per_step": own * 1e6 / steps, "cumulative_us_per_step": cumulative * 1e6 / steps}
+            for (path, line, name), (_, calls, own, cumulative, _) in rows]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     llm = build_engine(args)
@@ -130,6 +146,7 @@ def main(argv=None) -> dict:
     for _ in range(16):
         steps.step("decode")
     result = {"decode": profile(lambda: [steps.step() for _ in range(args.steps)], args.steps)}
+    result["decode"]["python"] = python_profile(lambda: [steps.step() for _ in range(args.steps)], args.steps)
     steps.engine.abort_request([f"dec{i}" for i in range(args.batch)])
     steps.drain()
 
@@ -149,6 +166,7 @@ def main(argv=None) -> dict:
     mixed_steps(3)  # warm-up: first hits of this shape
     mixed_steps(5)
     result["mixed"] = profile(lambda: mixed_steps(9), args.steps)
+    result["mixed"]["python"] = python_profile(lambda: mixed_steps(13), args.steps)
     steps.engine.abort_request([f"mix{i}" for i in range(1, args.batch)])
     steps.drain()
 
@@ -164,6 +182,9 @@ def main(argv=None) -> dict:
         print("   top CPU ops (self):")
         for e in r["cpu_ops"][:8]:
             print(f"   {e['self_cpu_us_per_step']:9.1f} us {e['calls_per_step']:6.1f}x  {e['name']}")
+        print("   top Python functions (own time, cProfile):")
+        for e in r["python"][:12]:
+            print(f"   {e['own_us_per_step']:9.1f} us {e['calls_per_step']:6.1f}x  {e['function']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
