@@ -85,6 +85,10 @@ for stage in "$@"; do
     # issue 19: prefix caching on both sides, bf16 and fp8 (ONLY=dense or duo: one backend per call)
     prefix_docs) bench prefix --workloads shared_docs --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
     prefix_chat) bench prefix --workloads chat_turns repeat_32k --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
+    # issue 19's target case: more chats than dense's cache holds (64 x ~20k tokens: 2.7x dense bf16's 463k-token
+    # pool, 1.4x dense fp8's), so dense queues while duo still fits them at fp8
+    prefix_saturated) bench prefix-saturated --workloads chat_turns --set chat_turns.num_prompts=${CHATS:-64} \
+        --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
     profile)  # issue 22: step times and torch profiles, dense then duo, the chat_turns shape (KV=auto|fp8)
       for backend in dense duo; do
         timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_steps.py --backend $backend --model /tmp/llama8b \
