@@ -10,6 +10,7 @@ import torch
 from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits
 from vllm_duo.kernels.prefill import prefill_attention
+from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 
@@ -97,24 +98,28 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and
-    `retrieval_table` lists each request's retrieval pages in token order; the query heads are gathered
-    and the result scattered back, since FlashAttention wants them contiguous. On an fp8 cache the queries
-    are quantized by the layer's q scale and FlashAttention descales q, k and v, as vLLM's dense
-    FLASH_ATTN backend does. `num_splits` 0 lets FlashAttention choose its KV splits.
+    `retrieval_table` lists each request's retrieval pages in token order. The retrieval heads' queries
+    and outputs are slices where the weights put them first (reorder.py), else gathered and scattered
+    back. On an fp8 cache the queries are quantized by the layer's q scale (one launch, queries.py) and
+    FlashAttention descales q, k and v, as vLLM's dense FLASH_ATTN backend does. `num_splits` 0 lets
+    FlashAttention choose its KV splits.
     """
     R = heads.num_retrieval
-    q = query[:, heads.retrieval_q]
     descales = {}
     if cache.dtype == torch.float8_e4m3fn:
         q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
-        largest = torch.finfo(cache.dtype).max
-        q = (q.float() * (1.0 / q_scale)).clamp_(-largest, largest).to(cache.dtype)
+        q = retrieval_queries(query, heads, cache.dtype, q_scale)
         shape = (seq_lens.shape[0], R)
         k_scale, v_scale = scale_tensors(quant, cache)
         descales = dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape),
                         v_descale=v_scale.expand(shape))
+    else:
+        q = retrieval_queries(query, heads)
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
                 block_table=retrieval_table, num_splits=num_splits, **descales)
-    output[:, heads.retrieval_q] = out.to(output.dtype)
+    if heads.retrieval_first:
+        output[:, :heads.retrieval_q.numel()].copy_(out)
+    else:
+        output[:, heads.retrieval_q] = out.to(output.dtype)

@@ -86,6 +86,7 @@ class LayerHeads:
     stream_offset: int  # the layer's first cell in a page group of its stream cache
     sink: int
     recent: int
+    retrieval_first: bool = False  # retrieval KV heads are 0..R-1 (weights reordered): their queries are a slice
 
     @classmethod
     def build(cls, retrieval: list[int], num_kv_heads: int, num_heads: int, stride: int, sink: int, recent: int,
@@ -100,7 +101,7 @@ class LayerHeads:
             return torch.tensor(kv, dtype=torch.long, device=device)
 
         return cls(kv_heads(retrieval), kv_heads(streaming), q_heads(retrieval), q_heads(streaming),
-                   group, stride, stream_offset, sink, recent)
+                   group, stride, stream_offset, sink, recent, list(retrieval) == list(range(len(retrieval))))
 
     @property
     def num_retrieval(self) -> int:

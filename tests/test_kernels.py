@@ -439,6 +439,26 @@ def test_steps_keep_cache_in_sync(chunks):
     assert_caches_equal((cache,), (ref_cache,))
 
 
+@pytest.mark.parametrize("retrieval", [(0, 1), (1, 3)], ids=["reordered", "in_place"])
+def test_retrieval_queries_for_flash_attention(retrieval):
+    """What FlashAttention gets: the retrieval heads' queries of a strided qkv view, as a view when the weights put
+    them first; quantized to e4m3 by the q scale in one launch, byte-equal to torch's rounding (reference.quantize)."""
+    from vllm_duo.kernels.queries import retrieval_queries
+
+    num_heads, num_kv_heads, head_dim = 8, 4, 64
+    qkv = torch.randn(21, num_heads + 2 * num_kv_heads, head_dim, dtype=torch.bfloat16) * 40
+    query = qkv[:, :num_heads]  # vLLM's queries: a strided view of the qkv projection
+    heads = LayerHeads.build(list(retrieval), num_kv_heads, num_heads, 2, 4, 16)
+    expected = query[:, heads.retrieval_q]
+    q = retrieval_queries(query, heads)
+    assert torch.equal(q, expected)
+    assert (q.data_ptr() == query.data_ptr()) == (retrieval == (0, 1))
+    q_scale = torch.tensor(0.37)
+    fp8 = retrieval_queries(query, heads, torch.float8_e4m3fn, q_scale)
+    assert fp8.is_contiguous() and fp8.shape == expected.shape
+    assert torch.equal(fp8.view(torch.uint8), quantize(expected, q_scale, torch.float8_e4m3fn).view(torch.uint8))
+
+
 def test_rejects_int64_metadata():
     case = make_case(PRESETS["decode_mha"])
     with pytest.raises(ValueError, match="int32"):

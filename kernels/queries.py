@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The retrieval heads' queries as FlashAttention takes them: `[num_tokens, R * G, head_dim]`.
+
+A layer whose weights were reordered at load (retrieval heads first) hands FlashAttention a view of
+its queries, with no copy. FlashAttention-3's fp8 path wants them quantized by the layer's q scale:
+one launch gathers, scales, saturates and rounds them (it replaced a gather and five elementwise ops
+per layer, issue 22's fixed cost).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_duo.kernels.cache_write import FP8_FORMATS, as_scale, fp8_grid
+from vllm_duo.kernels.reference import LayerHeads
+
+QUANT_BLOCK_T = 16  # tokens per program
+
+
+@triton.jit
+def _quantize_kernel(query_ptr, q_heads_ptr, out_ptr, q_scale_ptr, num_tokens, num_out_heads,
+                     stride_qt: tl.int64, stride_qh: tl.int64, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_T: tl.constexpr, FP8: tl.constexpr):
+    """Grid (cdiv(num_tokens, BLOCK_T), R * G): out[t, h] = fp8(query[t, q_heads[h]] / q_scale)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (tok < num_tokens)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok64 = tok.to(tl.int64)[:, None]
+    q_head = tl.load(q_heads_ptr + h)
+    x = tl.load(query_ptr + tok64 * stride_qt + q_head * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+    y = fp8_grid(x, 1.0 / tl.load(q_scale_ptr), FP8)
+    tl.store(out_ptr + (tok64 * num_out_heads + h) * HEAD_DIM + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def retrieval_queries(query: torch.Tensor, heads: LayerHeads, fp8_dtype: torch.dtype | None = None,
+                      q_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The retrieval heads' queries `[num_tokens, R * G, head_dim]`.
+
+    Args:
+        query: `[num_tokens, num_heads, head_dim]`, unit last stride.
+        heads: the layer's head maps; with `retrieval_first` the result is a view of `query`.
+        fp8_dtype: quantize to this fp8 dtype (contiguous result), saturating at its largest value and
+            rounding to nearest even, as torch's cast does.
+        q_scale: the layer's q scale (a float32 device tensor is read in the kernel: CUDA-graph safe).
+    """
+    if fp8_dtype is None:
+        if heads.retrieval_first:
+            return query[:, :heads.retrieval_q.numel()]
+        return query[:, heads.retrieval_q]
+    num_tokens, head_dim = query.shape[0], query.shape[-1]
+    num_out = heads.retrieval_q.numel()
+    out = torch.empty(num_tokens, num_out, head_dim, dtype=fp8_dtype, device=query.device)
+    if num_tokens and num_out:
+        _quantize_kernel[(triton.cdiv(num_tokens, QUANT_BLOCK_T), num_out)](
+            query, heads.retrieval_q, out, as_scale(q_scale, query.device), num_tokens, num_out,
+            query.stride(0), query.stride(1), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_T=QUANT_BLOCK_T, FP8=FP8_FORMATS[fp8_dtype], num_warps=4)
+    return out
