@@ -82,6 +82,8 @@ for stage in "$@"; do
     fp8_decode) bench fp8 --workloads decode_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_serve) bench fp8 --workloads serve_16k --set serve_16k.request_rates=${RATE:-2} --kv-cache-dtype fp8 \
         --only ${ONLY:?set ONLY=dense or duo} ;;
+    # issue 22: short requests, 32 at once at 1k and 4k tokens (tpot_sweep has them 4 at once), one backend per call
+    short_itl) bench short --workloads short_itl --only ${ONLY:?set ONLY} ;;
     # issue 19: prefix caching on both sides, bf16 and fp8 (ONLY=dense or duo: one backend per call)
     prefix_docs) bench prefix --workloads shared_docs --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
     prefix_chat) bench prefix --workloads chat_turns repeat_32k --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;

@@ -131,17 +131,17 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     printed = capsys.readouterr().out
     commands = [line for line in printed.splitlines() if not line.startswith("#")]
     # capacity 3 + (decode, prefill, short) 2 each + tpot 4 + ttft 2 + serve 2 x (server + 2 rates)
-    # + tpot_sweep 2 x (server + 5 prompt lengths) + shared_docs 2 x (server + 2 rates) + chat_turns and repeat_32k
-    # 2 x (server + 1 client) each
-    assert len(commands) == 3 + 6 + 4 + 2 + 6 + 12 + 6 + 4 + 4
+    # + tpot_sweep 2 x (server + 5 prompt lengths) + short_itl 2 x (server + 2 prompt lengths) + shared_docs
+    # 2 x (server + 2 rates) + chat_turns and repeat_32k 2 x (server + 1 client) each
+    assert len(commands) == 3 + 6 + 4 + 2 + 6 + 12 + 6 + 6 + 4 + 4
     assert not (tmp_path / "dry").exists()
     assert sum("bench throughput" in c for c in commands) == 9
     assert sum("bench latency" in c for c in commands) == 6
-    assert sum("bench serve" in c for c in commands) == 4 + 10 + 4 + 2
-    assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2 + 2 + 6
+    assert sum("bench serve" in c for c in commands) == 4 + 10 + 4 + 4 + 2
+    assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2 + 2 + 2 + 6
     duo_config = '{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
-    # capacity, throughput x3, tpot x2, ttft, the five servers
-    assert sum(duo_config in c for c in commands) == 1 + 3 + 2 + 1 + 5
+    # capacity, throughput x3, tpot x2, ttft, the six servers
+    assert sum(duo_config in c for c in commands) == 1 + 3 + 2 + 1 + 6
     docs = [c for c in commands if "shared_docs__duo" in c and "bench serve" in c]
     assert all("--dataset-name prefix_repetition --prefix-repetition-prefix-len 24000" in c
                and "--prefix-repetition-num-prefixes 8" in c for c in docs)
@@ -154,6 +154,8 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     assert [c.split("--random-input-len ")[1].split()[0] for c in sweep[:5]] == ["1024", "4096", "16384", "65536",
                                                                                    "98304"]
     assert all("--max-concurrency 4" in c and "--num-prompts 4" in c for c in sweep)
+    short = [c for c in commands if "short_itl__" in c and "bench serve" in c]
+    assert len(short) == 4 and all("--max-concurrency 32" in c and "--num-prompts 32" in c for c in short)
     ttft = next(c for c in commands if "ttft_128k__duo" in c)
     for flag in ("--input-len 131000", "--output-len 1", "--batch-size 1", "--max-model-len 131072",
                  "--load-format dummy", "--tokenizer /models/smol"):

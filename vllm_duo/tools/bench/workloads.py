@@ -114,6 +114,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              measures="decode speed by context length, one server per backend: median inter-token latency of 4 "
                       "requests at once (the steps where all 4 decode), 1k to 96k (4 x 128k would not fit dense's "
                       "KV cache on an H100)"),
+    Workload("short_itl", "serve", 99000, 1024, 256, num_prompts=32, max_concurrency=32,
+             request_rates=(float("inf"),), input_lens=(1024, 4096),
+             measures="short requests, where most deployments live: median inter-token latency and TTFT of 32 "
+                      "requests at once at 1k and 4k tokens (tpot_sweep has them 4 at a time), on the server "
+                      "tpot_sweep uses (max_model_len 99,000): duo must not be slower than dense here"),
     Workload("shared_docs", "serve", 33000, 24000, 256, num_prompts=64, request_rates=(2.0, 8.0),
              dataset="documents", question_len=64, num_documents=8, engine_args=("--enable-prefix-caching",),
              measures="question answering over shared documents: each 24k-token document is prefilled once and its "
