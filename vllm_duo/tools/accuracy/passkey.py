@@ -43,11 +43,12 @@ class PasskeyPrompt:
     passkey: str
 
 
-def _haystack(encode, rng: random.Random, budget: int) -> list[list[int]]:
-    """Varied haystack sentences drawn by `rng`, each encoded, as many as fit in `budget` tokens."""
+def _haystack(encode, rng: random.Random, budget: int,
+              parts: tuple[tuple[str, ...], ...] = (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) -> list[list[int]]:
+    """Varied haystack sentences drawn by `rng` from `parts`, each encoded, as many as fit in `budget` tokens."""
     sentences, length = [], 0
     while True:
-        text = " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) + "."
+        text = " ".join(rng.choice(part) for part in parts) + "."
         sentence = encode(" " + text)
         if length + len(sentence) > budget:
             return sentences
