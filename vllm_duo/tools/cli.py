@@ -230,7 +230,7 @@ def _identify(args: argparse.Namespace) -> str:
 def _add_eval_command(commands: _Subparsers) -> None:
     from vllm_duo.tools.accuracy.evaluate import (DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_METHODS,
                                                   DEFAULT_SAMPLES)
-    from vllm_duo.tools.accuracy.needles import HAYSTACKS, NEEDLES, TEMPLATES
+    from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, TEMPLATES
 
     parser = commands.add_parser(
         "eval", help="needle-in-a-haystack accuracy through vLLM: dense, duo, zigzag, random heads, StreamingLLM",
@@ -259,9 +259,12 @@ def _add_eval_command(commands: _Subparsers) -> None:
                         help="plain: text only, the question and the answer's first words on one line; chat: a user "
                              "turn of the model's chat template, the answer's first words in the assistant's "
                              "(default plain: SmolLM2 recalls far less in chat form)")
-    parser.add_argument("--needles", nargs="+", default=list(NEEDLES), metavar="NAME",
-                        help=f"needle phrasings, taken in turn (default: {' '.join(NEEDLES)})")
-    parser.add_argument("--haystacks", nargs="+", default=list(HAYSTACKS), metavar="NAME",
+    parser.add_argument("--ask-first", action="store_true",
+                        help="the intro already asks the question (default: it only says a fact is hidden)")
+    parser.add_argument("--needles", nargs="+", default=list(DEFAULT_NEEDLES), choices=NEEDLES, metavar="NAME",
+                        help=f"needle phrasings of {', '.join(NEEDLES)}, taken in turn (default: "
+                             f"{' '.join(DEFAULT_NEEDLES)})")
+    parser.add_argument("--haystacks", nargs="+", default=list(HAYSTACKS), choices=HAYSTACKS, metavar="NAME",
                         help=f"haystack styles, taken in turn (default: {' '.join(HAYSTACKS)})")
     parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
     parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")

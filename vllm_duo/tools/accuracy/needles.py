@@ -32,7 +32,12 @@ NEEDLES = {
                     "The magic number of the day is"),
     "phone": Needle("Anna's new phone extension is {key}.", "What is Anna's new phone extension?",
                     "Anna's new phone extension is"),
+    "ticket": Needle("The winning lottery ticket number is {key}.", "What is the winning lottery ticket number?",
+                     "The winning lottery ticket number is"),
 }
+# The eval's phrasings: "passkey" is left out, since SmolLM2 often reads it as a physical key ("The pass key is a
+# small wooden box"; eval-design-smollm2-cpu-2026-11-25.md).
+DEFAULT_NEEDLES = ("safe", "magic", "phone", "ticket")
 
 # Filler text from four parts drawn at random (12^4 sentences per style): varied, so that no token has an exact copy
 # one period back for copy heads to latch onto, and without digits, so that the key is the only number in the prompt.
@@ -65,6 +70,7 @@ HAYSTACKS = {
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about it.")
+ASK_FIRST = "There is an important piece of information hidden inside a lot of irrelevant text. {question} Find it."
 TEMPLATES = ("plain", "chat")
 
 
@@ -79,25 +85,28 @@ class NeedlePrompt:
 
 
 def needle_prompt(tokenizer, context_len: int, rng: random.Random, depth: float, needle: Needle,
-                  haystack: tuple[tuple[str, ...], ...], *, chat: bool, sink: int, recent: int) -> NeedlePrompt:
+                  haystack: tuple[tuple[str, ...], ...], *, chat: bool, sink: int, recent: int,
+                  ask_first: bool = False) -> NeedlePrompt:
     """A prompt of at most `context_len` tokens with a 5-digit key at `depth` of the places a streaming head with
     `sink` + `recent` cannot see from the question (0 = the first after the sink, 1 = the last before the window).
 
     `chat`: intro, haystack and question are the user's turn of the model's chat template and the answer's first
     words start the assistant's; plain: the same text on its own (question and answer on one line, as passkey.py).
+    `ask_first`: the intro already asks the question, so the model can know what to keep while it reads.
     """
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False).input_ids
 
     key = str(rng.randint(10000, 99999))
+    intro = ASK_FIRST.format(question=needle.question) if ask_first else INTRO
     if chat:
         marker = "\x00"
         turn = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
                                              add_generation_prompt=True)
         head, tail = turn.split(marker)
-        head, tail = encode(head + INTRO), encode("\n\n" + needle.question + tail + needle.answer)
+        head, tail = encode(head + intro), encode("\n\n" + needle.question + tail + needle.answer)
     else:
-        head, tail = encode(INTRO), encode(" " + needle.question + " " + needle.answer)
+        head, tail = encode(intro), encode(" " + needle.question + " " + needle.answer)
     fact = encode(" " + needle.fact.format(key=key))
     budget = context_len - len(head) - len(fact) - len(tail) - len(encode(" " + key))  # room for the answer
     sentences = passkey._haystack(encode, rng, budget, haystack)
