@@ -238,10 +238,9 @@ def _add_eval_command(commands: _Subparsers) -> None:
                     "vLLM engines over a grid of context lengths x needle depths, for each method on the same "
                     "prompts; writes results.json, results.md (accuracy, paired 95%% intervals against full attention "
                     "overall and per length) and accuracy heatmaps. Exits with code 3 when full attention answers "
-                    "under 90%% of the prompts: such an eval cannot see a loss. Methods: full (vLLM's dense backend), duoXX (the pattern at "
-                    "sparsity XX%%), zigzagXX (its layer-exclusive form), randomXX (random gates, same sparsity), "
-                    "streamingXX (all heads streaming at the "
-                    "KV budget of duoXX).")
+                    "under 90%% of the prompts: such an eval cannot see a loss. Methods: full (vLLM's dense backend), "
+                    "duoXX (the pattern at sparsity XX%%), zigzagXX (its layer-exclusive form), randomXX (random "
+                    "gates, same sparsity), streamingXX (all heads streaming at the KV budget of duoXX).")
     parser.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder (default: the bundled "
                                                              "SmolLM2-135M-Instruct)")
     parser.add_argument("--pattern", help="duo head pattern: a file, bundled name or reference folder (default: "

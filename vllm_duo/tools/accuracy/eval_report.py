@@ -70,8 +70,10 @@ def report(results: dict) -> str:
     else:
         lines += [f"Full attention answers {100 * full['accuracy']:.1f}% of the prompts (at least "
                   f"{100 * MIN_FULL_ACCURACY:.0f}% are needed for the eval to see a loss).", ""]
-    prompt = (f"{settings.get('template', 'plain')} template, needles {', '.join(settings.get('needles', ['passkey']))}, "
-              f"haystacks {', '.join(settings.get('haystacks', ['story']))}")
+    # settings.get: results.json of the eval before issue 20 has no template, needles or haystacks
+    needles, haystacks = settings.get("needles", ["passkey"]), settings.get("haystacks", ["story"])
+    prompt = (f"{settings.get('template', 'plain')} template, needles {', '.join(needles)}, haystacks "
+              f"{', '.join(haystacks)}")
     lines += [f"Command: `{results['command']}`", "",
               f"Machine: {results['machine']['device']}; vLLM {results['machine']['vllm_version']}, torch "
               f"{results['machine']['torch_version']}, vllm-duo {results['machine']['vllm_duo_commit']}; started "

@@ -11,7 +11,6 @@ import random
 import re
 import shlex
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 

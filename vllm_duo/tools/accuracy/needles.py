@@ -42,7 +42,7 @@ DEFAULT_NEEDLES = ("safe", "magic", "phone", "ticket")
 # Filler text from four parts drawn at random (12^4 sentences per style): varied, so that no token has an exact copy
 # one period back for copy heads to latch onto, and without digits, so that the key is the only number in the prompt.
 HAYSTACKS = {
-    "story": (passkey._SUBJECTS, passkey._VERBS, passkey._OBJECTS, passkey._ENDINGS),
+    "story": passkey.STORY,
     "weather": (
         ("The wind", "A light rain", "The morning fog", "The afternoon sun", "A cold breeze", "The first snow",
          "A heavy cloud", "The evening mist", "A warm current", "The thunderstorm", "A gentle drizzle", "The frost"),
@@ -109,7 +109,7 @@ def needle_prompt(tokenizer, context_len: int, rng: random.Random, depth: float,
         head, tail = encode(intro), encode(" " + needle.question + " " + needle.answer)
     fact = encode(" " + needle.fact.format(key=key))
     budget = context_len - len(head) - len(fact) - len(tail) - len(encode(" " + key))  # room for the answer
-    sentences = passkey._haystack(encode, rng, budget, haystack)
+    sentences = passkey.haystack_sentences(encode, rng, budget, haystack)
     question_start = len(head) + sum(map(len, sentences)) + len(fact)
 
     places, start = [], len(head)  # before sentence i, or after the last one

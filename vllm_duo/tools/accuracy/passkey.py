@@ -43,8 +43,11 @@ class PasskeyPrompt:
     passkey: str
 
 
-def _haystack(encode, rng: random.Random, budget: int,
-              parts: tuple[tuple[str, ...], ...] = (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) -> list[list[int]]:
+STORY = (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)
+
+
+def haystack_sentences(encode, rng: random.Random, budget: int,
+                       parts: tuple[tuple[str, ...], ...] = STORY) -> list[list[int]]:
     """Varied haystack sentences drawn by `rng` from `parts`, each encoded, as many as fit in `budget` tokens."""
     sentences, length = [], 0
     while True:
@@ -71,7 +74,7 @@ def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float
     intro, needle = encode(INTRO), encode(" " + NEEDLE.format(passkey=passkey))
     question, answer = encode(" " + QUESTION), encode(" " + passkey)
     budget = context_len - len(intro) - len(needle) - len(question) - len(answer)
-    sentences = _haystack(encode, rng, budget)
+    sentences = haystack_sentences(encode, rng, budget)
     haystack_len = sum(map(len, sentences))
 
     question_start = len(intro) + haystack_len + len(needle)
@@ -130,7 +133,7 @@ def multi_passkey_prompt(tokenizer, context_len: int, rng: random.Random, num_pa
     qa = [encode(" " + ORDINAL_QUESTION.format(ordinal=o)) + encode(" " + ORDINAL_ANSWER.format(passkey=p))
           for o, p in zip(ordinals, passkeys)]
     budget = context_len - len(intro) - sum(map(len, needles)) - sum(map(len, qa))
-    sentences = _haystack(encode, rng, budget)
+    sentences = haystack_sentences(encode, rng, budget)
     haystack_len = sum(map(len, sentences))
 
     # Token offset before sentence i counting intro and haystack only; a needle placed there moves by the needles
