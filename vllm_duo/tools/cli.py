@@ -236,10 +236,10 @@ def _add_eval_command(commands: _Subparsers) -> None:
         "eval", help="needle-in-a-haystack accuracy through vLLM: dense, duo, zigzag, random heads, StreamingLLM",
         description="Greedy recall of a 5-digit key (several needle phrasings and haystack styles) through in-process "
                     "vLLM engines over a grid of context lengths x needle depths, for each method on the same "
-                    "prompts; writes results.json, results.md (accuracy, paired 95%% intervals against full attention "
+                    "prompts; writes results.json, results.md (accuracy, paired 95% intervals against full attention "
                     "overall and per length) and accuracy heatmaps. Exits with code 3 when full attention answers "
-                    "under 90%% of the prompts: such an eval cannot see a loss. Methods: full (vLLM's dense backend), "
-                    "duoXX (the pattern at sparsity XX%%), zigzagXX (its layer-exclusive form), randomXX (random "
+                    "under 90% of the prompts: such an eval cannot see a loss. Methods: full (vLLM's dense backend), "
+                    "duoXX (the pattern at sparsity XX%), zigzagXX (its layer-exclusive form), randomXX (random "
                     "gates, same sparsity), streamingXX (all heads streaming at the KV budget of duoXX).")
     parser.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder (default: the bundled "
                                                              "SmolLM2-135M-Instruct)")
