@@ -60,10 +60,13 @@ for stage in "$@"; do
         | tee -a "$WORK/identify/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -14
       grep "^identify: " "$WORK/identify/identify.log" | tail -1
       cp $WORK/identify/identify.log "$OUT/"; cp $WORK/identify/*.json "$OUT/" 2>/dev/null ;;
-    eval)  # passkey eval through vLLM on SmolLM2 (issue 8): EVAL_PATTERN (default: the identify stage's), EVAL_ARGS
-      name=eval-${EVAL_NAME:-trained}
+    eval)  # needle eval through vLLM on SmolLM2 (issue 20): the default 400 prompts (1k-6k tokens) x 7 methods, one engine
+      # per method and per context for streaming50 (11 engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS:
+      # more options (e.g. --methods ...). Results are written after each method, so a run stopped by the deadline
+      # keeps the methods it finished; exit code 3 = full attention under 90% (the eval cannot see a loss).
+      name=eval-${EVAL_NAME:-smollm2}
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli eval --model /tmp/smol --no-progress \
-        --pattern ${EVAL_PATTERN:-$WORK/identify/SmolLM2-135M-Instruct.json} --out $WORK/$name ${EVAL_ARGS:-} 2>&1 \
+        --pattern ${EVAL_PATTERN:-SmolLM2-135M-Instruct} --out $WORK/$name ${EVAL_ARGS:-} 2>&1 \
         | tee "$OUT/$name.log" | tail -20
       tar czf "$OUT/$name.tgz" -C $WORK "$name" ;;
     serve)  # tests/test_server.py through `vllm serve` (on CUDA it launches that; the carried vLLM is unpacked, not

@@ -1,12 +1,48 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A tiny passkey eval through the CLI (one 512-token context; dense, duo and zigzag 50%): the outputs exist and make
-sense."""
+"""The eval's prompts, its paired intervals and its guard against a weak reference without an engine; then a tiny eval
+through the CLI (one 512-token context; dense, duo and zigzag 50%): the outputs exist and make sense."""
 import json
+import re
 
 import pytest
 
 from vllm_duo.tools import cli
-from vllm_duo.tools.accuracy import eval_report, evaluate
+from vllm_duo.tools.accuracy import eval_report, evaluate, needles
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.parametrize("template", needles.TEMPLATES)
+def test_prompts_hide_the_needle_from_streaming_heads(tokenizer, smollm2_dir, template):
+    settings = evaluate.EvalSettings(model=smollm2_dir, out="-", contexts=(600, 1500), depths=(0.0, 0.5, 1.0),
+                                     samples=12, template=template, sink=64, recent=256)
+    cases = evaluate.make_cases(tokenizer, settings)
+    assert len(cases) == 2 * 3 * 12
+    # every pair of needle phrasing and haystack style in each cell
+    assert {(c.needle, c.haystack) for c in cases if c.context_len == 600 and c.depth == 0.5} == {
+        (n, h) for n in needles.DEFAULT_NEEDLES for h in needles.HAYSTACKS}
+    for case in cases:
+        text = tokenizer.decode(case.prompt)
+        needle = needles.NEEDLES[case.needle]
+        tail = text[text.rindex(needle.question) - (2 if template == "chat" else 1):]  # as needle_prompt encodes it
+        question_start = len(case.prompt) - len(tokenizer(tail, add_special_tokens=False).input_ids)
+        fact_len = len(tokenizer(" " + needle.fact.format(key=case.key), add_special_tokens=False).input_ids)
+        assert case.context_len - 20 < len(case.prompt) + len(tokenizer(" " + case.key).input_ids) <= case.context_len
+        assert re.findall(r"\d+", text.split("<|im_start|>user")[-1]) == [case.key] * text.count(case.key)
+        assert text.endswith(needle.answer) and (template == "chat") == ("<|im_start|>assistant" in text)
+        fact = tokenizer.decode(case.prompt[case.needle_start:]).lstrip()
+        assert fact.startswith(needle.fact.format(key=case.key))
+        assert case.needle_start >= 64
+        assert case.needle_start + fact_len <= question_start - 256  # the needle ends before every query's window
+    # depth 0 and 1 are the first and last places outside the window: the needle moves with depth
+    starts = {c.depth: c.needle_start for c in cases if c.context_len == 1500 and c.sample == 0}
+    assert starts[0.0] < starts[0.5] < starts[1.0]
+    assert starts[0.0] < 64 + 40 and starts[1.0] > 1500 - 256 - 120
 
 
 def test_streaming_window_matches_the_duo_budget():
@@ -34,12 +70,45 @@ def test_paired_difference_with_full_attention(full, method, lost, gained, inter
     assert got[3:] == pytest.approx(interval, abs=0.01)
 
 
+def test_paired_difference_per_context():
+    records = [{"method": name, "context_len": c, "depth": 0.5, "sample": i, "correct": name == "full" or c == 1000}
+               for name in ("full", "duo50") for c in (1000, 2000) for i in range(10)]
+    assert eval_report.paired_with_full(records, "full", "duo50", 1000)[:3] == (0, 0, 10)
+    assert eval_report.paired_with_full(records, "full", "duo50", 2000)[:3] == (10, 0, 10)
+    assert eval_report.paired_with_full(records, "full", "duo50")[:3] == (10, 0, 20)
+
+
+def _results(full_correct: int, prompts: int = 10) -> dict:
+    """A hand-made results.json: full attention right on `full_correct` of `prompts`, duo50 on all but one."""
+    settings = {"model": "m", "contexts": [1000], "depths": [0.5], "samples": prompts, "max_tokens": 8}
+    records = [{"method": name, "context_len": 1000, "depth": 0.5, "sample": i, "needle": "passkey",
+                "haystack": "story", "correct": i < (full_correct if name == "full" else prompts - 1)}
+               for name in ("full", "duo50") for i in range(prompts)]
+    methods = [{"method": name, "kind": kind, "accuracy": accuracy, "by_context": {"1000": accuracy},
+                "grid": [[accuracy]], "kv_fraction": {"1000": 1.0}}
+               for name, kind, accuracy in (("full", "full", full_correct / prompts), ("duo50", "duo", 0.9))]
+    machine = {"device": "cpu", "vllm_version": "-", "torch_version": "-", "vllm_duo_commit": "-"}
+    return {"settings": settings, "command": "vllm-duo eval", "started": "-", "machine": machine, "pattern": "p",
+            "methods": methods, "engines": [], "records": records}
+
+
+@pytest.mark.parametrize("full_correct, code", [(9, 0), (8, 3)])
+def test_an_eval_whose_full_attention_misses_10_percent_warns_and_exits_3(tmp_path, capsys, full_correct, code):
+    (tmp_path / "results.json").write_text(json.dumps(_results(full_correct)))
+    assert cli.main(["eval", "--report-only", "--out", str(tmp_path)]) == code
+    report, printed = (tmp_path / "results.md").read_text(), capsys.readouterr().out
+    assert ("WARNING: full attention answers 80.0%" in report) == (code == 3)
+    assert ("cannot see a loss" in printed) == (code == 3)
+    assert "| duo50 | +" in report or "| duo50 | -" in report  # the per-context interval table
+
+
 def test_tiny_eval_through_the_cli(smollm2_dir, tmp_path, capfd):  # capfd: vLLM needs a real stdout fileno
     out = tmp_path / "eval"
-    assert cli.main(["eval", "--model", smollm2_dir, "--methods", "full", "duo50", "zigzag50", "--contexts", "512",
-                     "--depths", "0.5", "--samples", "1", "--out", str(out), "--no-progress"]) == 0
+    code = cli.main(["eval", "--model", smollm2_dir, "--methods", "full", "duo50", "zigzag50", "--contexts", "512",
+                     "--depths", "0.5", "--samples", "1", "--out", str(out), "--no-progress"])
     assert "results.md" in capfd.readouterr().out
     results = json.loads((out / "results.json").read_text())
+    assert code == (3 if results["methods"][0]["accuracy"] < 0.9 else 0)
     assert [m["method"] for m in results["methods"]] == ["full", "duo50", "zigzag50"]
     for method in results["methods"]:
         assert 0.0 <= method["accuracy"] <= 1.0
@@ -51,5 +120,5 @@ def test_tiny_eval_through_the_cli(smollm2_dir, tmp_path, capfd):  # capfd: vLLM
 
     # --report-only redraws the report from results.json, running nothing
     (out / "results.md").unlink()
-    assert cli.main(["eval", "--report-only", "--out", str(out)]) == 0
+    assert cli.main(["eval", "--report-only", "--out", str(out)]) == code
     assert "| zigzag50 |" in (out / "results.md").read_text()

@@ -43,11 +43,15 @@ class PasskeyPrompt:
     passkey: str
 
 
-def _haystack(encode, rng: random.Random, budget: int) -> list[list[int]]:
-    """Varied haystack sentences drawn by `rng`, each encoded, as many as fit in `budget` tokens."""
+STORY = (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)
+
+
+def haystack_sentences(encode, rng: random.Random, budget: int,
+                       parts: tuple[tuple[str, ...], ...] = STORY) -> list[list[int]]:
+    """Varied haystack sentences drawn by `rng` from `parts`, each encoded, as many as fit in `budget` tokens."""
     sentences, length = [], 0
     while True:
-        text = " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)) + "."
+        text = " ".join(rng.choice(part) for part in parts) + "."
         sentence = encode(" " + text)
         if length + len(sentence) > budget:
             return sentences
@@ -70,7 +74,7 @@ def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float
     intro, needle = encode(INTRO), encode(" " + NEEDLE.format(passkey=passkey))
     question, answer = encode(" " + QUESTION), encode(" " + passkey)
     budget = context_len - len(intro) - len(needle) - len(question) - len(answer)
-    sentences = _haystack(encode, rng, budget)
+    sentences = haystack_sentences(encode, rng, budget)
     haystack_len = sum(map(len, sentences))
 
     question_start = len(intro) + haystack_len + len(needle)
@@ -129,7 +133,7 @@ def multi_passkey_prompt(tokenizer, context_len: int, rng: random.Random, num_pa
     qa = [encode(" " + ORDINAL_QUESTION.format(ordinal=o)) + encode(" " + ORDINAL_ANSWER.format(passkey=p))
           for o, p in zip(ordinals, passkeys)]
     budget = context_len - len(intro) - sum(map(len, needles)) - sum(map(len, qa))
-    sentences = _haystack(encode, rng, budget)
+    sentences = haystack_sentences(encode, rng, budget)
     haystack_len = sum(map(len, sentences))
 
     # Token offset before sentence i counting intro and haystack only; a needle placed there moves by the needles
