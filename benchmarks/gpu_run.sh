@@ -94,11 +94,13 @@ for stage in "$@"; do
     # pool, 1.4x dense fp8's), so dense queues while duo still fits them at fp8
     prefix_saturated) bench prefix-saturated --workloads chat_turns --set chat_turns.num_prompts=${CHATS:-64} \
         --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
-    profile)  # issue 22: step times and torch profiles, dense then duo, the chat_turns shape (KV=auto|fp8)
+    profile)  # issue 22: step times and torch profiles, dense then duo, the chat_turns shape (KV=auto|fp8); PROFILE_ARGS
+      # changes the shape (e.g. "--batch 4 --context 1024") and PROFILE_TAG names its files
       for backend in dense duo; do
+        tag=${backend}_${KV:-auto}${PROFILE_TAG:+_$PROFILE_TAG}
         timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_steps.py --backend $backend --model /tmp/llama8b \
-          --tokenizer /tmp/smol --load-format dummy --kv-cache-dtype ${KV:-auto} --out "$OUT/profile_${backend}_${KV:-auto}.json" \
-          > "$OUT/profile_${backend}_${KV:-auto}.log" 2>&1; grep -A40 "^== " "$OUT/profile_${backend}_${KV:-auto}.log" | cut -c1-150
+          --tokenizer /tmp/smol --load-format dummy --kv-cache-dtype ${KV:-auto} ${PROFILE_ARGS:-} --out "$OUT/profile_$tag.json" \
+          > "$OUT/profile_$tag.log" 2>&1; grep -A40 "^== " "$OUT/profile_$tag.log" | cut -c1-150
       done ;;
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     kernels_fp8) timeout 300 python3 benchmarks/kernels_bench.py --fp8 2>&1 | tee "$OUT/kernels_bench_fp8.log" | tail -30 ;;
