@@ -109,3 +109,55 @@ def test_a_stopped_run_continues_to_the_gates_of_an_uninterrupted_one(smollm2_di
 
     with pytest.raises(PatternError, match=r"other settings \(lr\)"):
         training.train(smollm2_dir, dataclasses.replace(SETTINGS, lr=0.01), progress=False, checkpoint=checkpoint)
+
+
+def dense_lambda_attention(query, key, value, sink, recent, scale=None):
+    """Reference: SDPA with the dense [T, T] Λ mask: key k visible to q iff k <= q and (k < sink or k > q - recent)."""
+    q = torch.arange(query.shape[2])[:, None]
+    k = torch.arange(query.shape[2])[None, :]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=(k <= q) & ((k < sink) | (k > q - recent)), scale=scale)
+
+
+@pytest.mark.parametrize("length, sink, recent, batch", [
+    (1, 4, 16, 1), (20, 8, 32, 1),  # shorter than sink + recent
+    (100, 8, 32, 2),  # not a multiple of the block
+    (96, 0, 32, 1), (300, 0, 20, 1),  # no sink; recent not a multiple of 16
+    (700, 64, 256, 1),  # the deployed sink/recent
+    (200, 40, 16, 1),  # sink longer than the block
+])
+def test_blocked_streaming_attention_equals_the_dense_lambda_mask(length, sink, recent, batch):
+    """9 query heads on 3 KV heads as in SmolLM2, broadcast the way gated_attention does; gradients too."""
+    generator = torch.Generator().manual_seed(length)
+    query, key, value = (torch.randn(batch, heads, length, 16, generator=generator, requires_grad=True)
+                         for heads in (9, 3, 3))
+    mixing = training._Mixing(sink, recent)
+    inputs = (query, key.repeat_interleave(3, dim=1), value.repeat_interleave(3, dim=1))
+    blocked, dense = mixing.streaming(*inputs), dense_lambda_attention(*inputs, sink, recent)
+    assert torch.allclose(blocked, dense, atol=1e-5)
+    weights = torch.randn(dense.shape, generator=generator)
+    blocked_grads = torch.autograd.grad((blocked * weights).sum(), (query, key, value))
+    dense_grads = torch.autograd.grad((dense * weights).sum(), (query, key, value))
+    assert all(torch.allclose(b, d, atol=1e-5) for b, d in zip(blocked_grads, dense_grads))
+    assert mixing.layout(length, query.device, query.dtype)[1].shape[-1] % 16 == 0
+
+
+def test_gate_gradient_equals_the_dense_lambda_formulation(smollm2_dir, monkeypatch):
+    """distill_loss's gate gradients with blocked streaming attention equal those with the dense Λ mask."""
+    trainer = training.GateTrainer(smollm2_dir, SETTINGS)
+    with torch.no_grad():
+        for gate in trainer.gates:
+            gate.uniform_(0.2, 0.8, generator=torch.Generator().manual_seed(0))
+    sample = trainer.sample(0)
+
+    def gate_grads():
+        for gate in trainer.gates:
+            gate.grad = None
+        trainer.distill_loss(sample).backward()
+        return torch.stack([gate.grad for gate in trainer.gates])
+
+    blocked = gate_grads()
+    monkeypatch.setattr(training._Mixing, "streaming", lambda self, query, key, value, scale=None:
+                        dense_lambda_attention(query, key, value, self.sink, self.recent, scale))
+    dense = gate_grads()
+    assert blocked.abs().max() > 0 and torch.allclose(blocked, dense, rtol=1e-4, atol=1e-6)
