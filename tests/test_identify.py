@@ -74,7 +74,10 @@ def test_only_the_gates_train_and_stay_in_range(smollm2_dir, tmp_path):
     path = tmp_path / "trained.json"
     pattern.save(path)
     loaded = HeadPattern.load(path)
-    assert np.allclose(loaded.gates, gates, atol=1e-6) and (loaded.sink, loaded.recent) == (64, 256)
+    assert np.allclose(loaded.gates, gates, atol=1e-6) and (loaded.sink, loaded.recent) == (8, 32)  # as trained
+    assert "Trained with sink/recent 8/32, deployed with 8/32" in loaded.provenance.notes
+    redeployed = identify.build_pattern(smollm2_dir, SETTINGS, result, deploy_sink=64, deploy_recent=256)
+    assert (redeployed.sink, redeployed.recent) == (64, 256) and "deployed with 64/256" in redeployed.provenance.notes
     assert "reg_weight 0.05" in loaded.provenance.method and "final loss" in loaded.provenance.notes
     assert "45 of 90" in pattern_commands.show(str(path), None, 8192, str(tmp_path / "gates.png"))
     assert (tmp_path / "gates.png").stat().st_size > 0
@@ -161,3 +164,23 @@ def test_gate_gradient_equals_the_dense_lambda_formulation(smollm2_dir, monkeypa
                         dense_lambda_attention(query, key, value, self.sink, self.recent, scale))
     dense = gate_grads()
     assert blocked.abs().max() > 0 and torch.allclose(blocked, dense, rtol=1e-4, atol=1e-6)
+
+
+def test_defaults_follow_the_paper_and_the_deployed_window(smollm2_dir, monkeypatch):
+    """Train with the deployed sink/recent 64/256; on GPU prompts from 1000 tokens, lengths from 50 values."""
+    defaults = training.IdentifySettings()
+    assert (defaults.sink, defaults.recent, defaults.steps) == (64, 256, 2000)
+    assert identify.default_min_context_len(32000, "cuda") == 1000
+    assert identify.default_min_context_len(2048, "cpu") == 1024
+    assert identify.default_context_len(smollm2_dir, "cpu") == 2048
+    settings = dataclasses.replace(SETTINGS, context_len=1000, min_context_len=510)
+    trainer = training.GateTrainer.__new__(training.GateTrainer)  # sample() needs only the settings here
+    trainer.settings, trainer.tokenizer = settings, None
+    monkeypatch.setattr(training, "multi_passkey_prompt", lambda tokenizer, length, *args, **kwargs: length)
+    drawn = {trainer.sample(index) for index in range(40)}
+    assert len(drawn) > 10 and drawn <= set(np.linspace(510, 1000, 50).round().astype(int).tolist())
+    result = training.TrainResult(gates=np.ones((30, 3)), history=[training.StepStats(1, 1, 0, 0.02, 1)])
+    method = identify.build_pattern(smollm2_dir, settings, result).provenance.method
+    assert "drawn uniformly from 50 evenly spaced values in [510, 1000]" in method
+    with pytest.raises(PatternError, match="min context length"):
+        dataclasses.replace(SETTINGS, min_context_len=300).check()
