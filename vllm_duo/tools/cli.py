@@ -82,6 +82,15 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     layers.set_defaults(handler=lambda args: zigzag.write_zigzag(args.pattern, args.output, args.sparsity,
                                                                  args.omega))
 
+    average = actions.add_parser(
+        "average", help="average the gates of several identify runs (e.g. seeds) into one pattern",
+        description="Write a pattern whose gates are the mean of the inputs' gates. The inputs must be of one "
+                    "model shape and share sparsity, sink and recent, which the output keeps.")
+    average.add_argument("patterns", nargs="+", metavar="PATTERN", help=pattern_help + " (with gates)")
+    average.add_argument("-o", "--output", required=True, metavar="OUT.json")
+    average.add_argument("--name", help="model name (default: the first input's)")
+    average.set_defaults(handler=lambda args: pattern_commands.average(args.patterns, args.output, args.name))
+
     score = actions.add_parser(
         "score", help="score a model's KV heads on passkey prompts and write a pattern JSON",
         description="Run a Hugging Face model on CPU over synthetic passkey prompts and write a pattern whose gates "
