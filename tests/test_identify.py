@@ -74,7 +74,10 @@ def test_only_the_gates_train_and_stay_in_range(smollm2_dir, tmp_path):
     path = tmp_path / "trained.json"
     pattern.save(path)
     loaded = HeadPattern.load(path)
-    assert np.allclose(loaded.gates, gates, atol=1e-6) and (loaded.sink, loaded.recent) == (64, 256)
+    assert np.allclose(loaded.gates, gates, atol=1e-6) and (loaded.sink, loaded.recent) == (8, 32)  # as trained
+    assert "Trained with sink/recent 8/32, deployed with 8/32" in loaded.provenance.notes
+    redeployed = identify.build_pattern(smollm2_dir, SETTINGS, result, deploy_sink=64, deploy_recent=256)
+    assert (redeployed.sink, redeployed.recent) == (64, 256) and "deployed with 64/256" in redeployed.provenance.notes
     assert "reg_weight 0.05" in loaded.provenance.method and "final loss" in loaded.provenance.notes
     assert "45 of 90" in pattern_commands.show(str(path), None, 8192, str(tmp_path / "gates.png"))
     assert (tmp_path / "gates.png").stat().st_size > 0
@@ -109,3 +112,75 @@ def test_a_stopped_run_continues_to_the_gates_of_an_uninterrupted_one(smollm2_di
 
     with pytest.raises(PatternError, match=r"other settings \(lr\)"):
         training.train(smollm2_dir, dataclasses.replace(SETTINGS, lr=0.01), progress=False, checkpoint=checkpoint)
+
+
+def dense_lambda_attention(query, key, value, sink, recent, scale=None):
+    """Reference: SDPA with the dense [T, T] Λ mask: key k visible to q iff k <= q and (k < sink or k > q - recent)."""
+    q = torch.arange(query.shape[2])[:, None]
+    k = torch.arange(query.shape[2])[None, :]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=(k <= q) & ((k < sink) | (k > q - recent)), scale=scale)
+
+
+@pytest.mark.parametrize("length, sink, recent, batch", [
+    (1, 4, 16, 1), (20, 8, 32, 1),  # shorter than sink + recent
+    (100, 8, 32, 2),  # not a multiple of the block
+    (96, 0, 32, 1), (300, 0, 20, 1),  # no sink; recent not a multiple of 16
+    (700, 64, 256, 1),  # the deployed sink/recent
+    (200, 40, 16, 1),  # sink longer than the block
+])
+def test_blocked_streaming_attention_equals_the_dense_lambda_mask(length, sink, recent, batch):
+    """9 query heads on 3 KV heads as in SmolLM2, broadcast the way gated_attention does; gradients too."""
+    generator = torch.Generator().manual_seed(length)
+    query, key, value = (torch.randn(batch, heads, length, 16, generator=generator, requires_grad=True)
+                         for heads in (9, 3, 3))
+    mixing = training._Mixing(sink, recent)
+    inputs = (query, key.repeat_interleave(3, dim=1), value.repeat_interleave(3, dim=1))
+    blocked, dense = mixing.streaming(*inputs), dense_lambda_attention(*inputs, sink, recent)
+    assert torch.allclose(blocked, dense, atol=1e-5)
+    weights = torch.randn(dense.shape, generator=generator)
+    blocked_grads = torch.autograd.grad((blocked * weights).sum(), (query, key, value))
+    dense_grads = torch.autograd.grad((dense * weights).sum(), (query, key, value))
+    assert all(torch.allclose(b, d, atol=1e-5) for b, d in zip(blocked_grads, dense_grads))
+    assert mixing.layout(length, query.device, query.dtype)[1].shape[-1] % 16 == 0
+
+
+def test_gate_gradient_equals_the_dense_lambda_formulation(smollm2_dir, monkeypatch):
+    """distill_loss's gate gradients with blocked streaming attention equal those with the dense Λ mask."""
+    trainer = training.GateTrainer(smollm2_dir, SETTINGS)
+    with torch.no_grad():
+        for gate in trainer.gates:
+            gate.uniform_(0.2, 0.8, generator=torch.Generator().manual_seed(0))
+    sample = trainer.sample(0)
+
+    def gate_grads():
+        for gate in trainer.gates:
+            gate.grad = None
+        trainer.distill_loss(sample).backward()
+        return torch.stack([gate.grad for gate in trainer.gates])
+
+    blocked = gate_grads()
+    monkeypatch.setattr(training._Mixing, "streaming", lambda self, query, key, value, scale=None:
+                        dense_lambda_attention(query, key, value, self.sink, self.recent, scale))
+    dense = gate_grads()
+    assert blocked.abs().max() > 0 and torch.allclose(blocked, dense, rtol=1e-4, atol=1e-6)
+
+
+def test_defaults_follow_the_paper_and_the_deployed_window(smollm2_dir, monkeypatch):
+    """Train with the deployed sink/recent 64/256; on GPU prompts from 1000 tokens, lengths from 50 values."""
+    defaults = training.IdentifySettings()
+    assert (defaults.sink, defaults.recent, defaults.steps) == (64, 256, 2000)
+    assert identify.default_min_context_len(32000, "cuda") == 1000
+    assert identify.default_min_context_len(2048, "cpu") == 1024
+    assert identify.default_context_len(smollm2_dir, "cpu") == 2048
+    settings = dataclasses.replace(SETTINGS, context_len=1000, min_context_len=510)
+    trainer = training.GateTrainer.__new__(training.GateTrainer)  # sample() needs only the settings here
+    trainer.settings, trainer.tokenizer = settings, None
+    monkeypatch.setattr(training, "multi_passkey_prompt", lambda tokenizer, length, *args, **kwargs: length)
+    drawn = {trainer.sample(index) for index in range(40)}
+    assert len(drawn) > 10 and drawn <= set(np.linspace(510, 1000, 50).round().astype(int).tolist())
+    result = training.TrainResult(gates=np.ones((30, 3)), history=[training.StepStats(1, 1, 0, 0.02, 1)])
+    method = identify.build_pattern(smollm2_dir, settings, result).provenance.method
+    assert "drawn uniformly from 50 evenly spaced values in [510, 1000]" in method
+    with pytest.raises(PatternError, match="min context length"):
+        dataclasses.replace(SETTINGS, min_context_len=300).check()

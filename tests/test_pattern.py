@@ -357,3 +357,39 @@ def test_cli_user_error_is_one_line_exit_2(capsys, tmp_path, argv, named):
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("vllm-duo: error: ")
     assert named in captured.err
+
+
+def test_cli_average_is_the_mean_of_the_gates(capsys, tmp_path):
+    seeds = []
+    for seed in (1, 2, 3):
+        data = small_pattern(gates=np.random.default_rng(seed).uniform(size=(2, 4)).round(6).tolist())
+        data["provenance"].update(method=f"DuoAttention gate optimization ... 500 steps, ... seed {seed}; float32",
+                                  notes=f"final loss 0.{seed} " + "x" * 300)
+        seeds.append(write_json(tmp_path / f"seed{seed}.json", data))
+    hand_made = write_json(tmp_path / "hand.json", small_pattern())
+    out = tmp_path / "mean.json"
+    assert main(["pattern", "average", *map(str, seeds), str(hand_made), "-o", str(out), "--name", "Mean"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}: mean of 4 patterns")
+
+    averaged = HeadPattern.load(out)
+    inputs = [HeadPattern.load(path).gates for path in [*seeds, hand_made]]
+    assert np.allclose(averaged.gates, np.mean(inputs, axis=0), atol=1e-6)
+    assert (averaged.model.name, averaged.sparsity, averaged.sink, averaged.recent) == ("Mean", 0.5, 4, 16)
+    assert averaged.provenance.method == ("mean of the gates of 4 identify runs: seed 1, 500 steps; seed 2, 500 steps; "
+                                          "seed 3, 500 steps; hand.json")
+    assert "seed1.json: final loss 0.1" in averaged.provenance.notes and len(averaged.provenance.notes) < 3 * 200
+    assert main(["pattern", "validate", str(out)]) == 0
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda data: data.update(small_pattern(num_kv_heads=8)), "2 layers x 8 KV heads"),
+    (lambda data: data.update(recent=32), "differ in recent 32 vs 16"),
+    (lambda data: data.update(gates=None, retrieval_mask=[[1, 0, 1, 0], [0, 1, 0, 1]]), "only a retrieval mask"),
+])
+def test_cli_average_refuses_patterns_that_do_not_match(capsys, tmp_path, edit, named):
+    first, other = write_json(tmp_path / "a.json", small_pattern()), write_json(tmp_path / "b.json", edited(edit))
+    with pytest.raises(SystemExit) as caught:
+        main(["pattern", "average", str(first), str(other), "-o", str(tmp_path / "out.json")])
+    error = capsys.readouterr().err
+    assert caught.value.code == 2 and error.count("\n") == 1 and named in error
+    assert not (tmp_path / "out.json").exists()

@@ -82,6 +82,15 @@ def _add_pattern_commands(commands: _Subparsers) -> None:
     layers.set_defaults(handler=lambda args: zigzag.write_zigzag(args.pattern, args.output, args.sparsity,
                                                                  args.omega))
 
+    average = actions.add_parser(
+        "average", help="average the gates of several identify runs (e.g. seeds) into one pattern",
+        description="Write a pattern whose gates are the mean of the inputs' gates. The inputs must be of one "
+                    "model shape and share sparsity, sink and recent, which the output keeps.")
+    average.add_argument("patterns", nargs="+", metavar="PATTERN", help=pattern_help + " (with gates)")
+    average.add_argument("-o", "--output", required=True, metavar="OUT.json")
+    average.add_argument("--name", help="model name (default: the first input's)")
+    average.set_defaults(handler=lambda args: pattern_commands.average(args.patterns, args.output, args.name))
+
     score = actions.add_parser(
         "score", help="score a model's KV heads on passkey prompts and write a pattern JSON",
         description="Run a Hugging Face model on CPU over synthetic passkey prompts and write a pattern whose gates "
@@ -183,11 +192,13 @@ def _add_identify_command(commands: _Subparsers) -> None:
                         help="longest prompt in tokens (default: the model's max_position_embeddings, at most "
                              "32000, on GPU; 2048 on CPU)")
     parser.add_argument("--min-context-len", type=int,
-                        help="shortest prompt; lengths are uniform in [min, max] (default: half of --context-len)")
+                        help="shortest prompt; lengths are drawn from 50 evenly spaced values in [min, max] "
+                             "(default: 1000 on GPU, as the paper; half of --context-len on CPU)")
     parser.add_argument("--batch-size", type=int, default=1, help="samples per step and process (default 1)")
     parser.add_argument("--lr", type=float, default=0.02, help="peak AdamW learning rate (default 0.02)")
     parser.add_argument("--reg-weight", type=float, default=0.05, help="weight of the L1 gate term (default 0.05)")
-    parser.add_argument("--sink", type=int, default=128, help="sink tokens of the training Λ mask (default 128)")
+    parser.add_argument("--sink", type=int, default=64,
+                        help="sink tokens of the training Λ mask (default 64, the deployed sink)")
     parser.add_argument("--recent", type=int, default=256, help="recent tokens of the training Λ mask (default 256)")
     parser.add_argument("--passkeys", type=int, default=10, help="passkeys per prompt (default 10)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the prompts (default 42)")
@@ -205,8 +216,8 @@ def _add_identify_command(commands: _Subparsers) -> None:
     parser.add_argument("--processes", type=int,
                         help="data-parallel processes to spawn (default: the visible GPUs on CUDA, 1 on CPU)")
     parser.add_argument("--sparsity", type=float, default=0.5, help="the pattern's default sparsity (0.5)")
-    parser.add_argument("--deploy-sink", type=int, default=64, help="the pattern's serving sink (default 64)")
-    parser.add_argument("--deploy-recent", type=int, default=256, help="the pattern's serving recent (default 256)")
+    parser.add_argument("--deploy-sink", type=int, help="the pattern's serving sink (default: --sink)")
+    parser.add_argument("--deploy-recent", type=int, help="the pattern's serving recent (default: --recent)")
     _add_pattern_file_args(parser)
     parser.set_defaults(handler=_identify)
 
@@ -216,7 +227,8 @@ def _identify(args: argparse.Namespace) -> str:
 
     context_len = args.context_len or identify.default_context_len(args.model, args.device)
     settings = training.IdentifySettings(
-        steps=args.steps, context_len=context_len, min_context_len=args.min_context_len or context_len // 2,
+        steps=args.steps, context_len=context_len,
+        min_context_len=args.min_context_len or identify.default_min_context_len(context_len, args.device),
         batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=args.sink, recent=args.recent,
         passkeys=args.passkeys, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
         device=args.device)

@@ -4,6 +4,8 @@ files the trainers write from gates (identify, `pattern score`); none of it is n
 from __future__ import annotations
 
 import datetime
+import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from vllm_duo.pattern import (SCHEMA_VERSION, HeadPattern, PatternError, pattern
 
 _GIB = 1024**3
 _LAYERS_PER_TABLE_ROW = 16
+_NOTE_CHARS = 160  # an averaged pattern keeps this much of each input's notes
 
 
 def pattern_from_gates(gates: np.ndarray, model_dir: str | Path, *, name: str | None,
@@ -114,6 +117,55 @@ def validate(spec: str, model_dir: str | None = None) -> str:
     shape = read_hf_config(model_dir)
     pattern.check_model(*shape, model_name=str(Path(model_dir)))
     return f"{summary}; matches model {model_dir} ({shape.architecture})"
+
+
+def average(specs: list[str], out: str, name: str | None = None) -> str:
+    """Writes the mean of the gates of several identify runs (e.g. seeds) to `out`: one run's ranking of heads near
+    the threshold is noisy, the mean is steadier. Returns a one-line summary."""
+    if len(specs) < 2:
+        raise PatternError(f"average needs two or more patterns, got {len(specs)}: pass each run's JSON")
+    loaded = [resolve_pattern(spec) for spec in specs]
+    first, first_source = loaded[0]
+    for pattern, source in loaded:
+        _check_averageable(pattern, source, first, first_source)
+    gates = np.mean([pattern.gates for pattern, _ in loaded], axis=0)
+    runs = "; ".join(_run_label(pattern, source) for pattern, source in loaded)
+    notes = " | ".join(f"{Path(source).name}: {textwrap.shorten(pattern.provenance.notes, _NOTE_CHARS)}"
+                       for pattern, source in loaded if pattern.provenance.notes)
+    data = first.model_dump()
+    data.update(gates=np.round(gates, 6).tolist(), retrieval_mask=None, layer_exclusive=False,
+                model={**data["model"], "name": name or first.model.name},
+                provenance={"source": first.provenance.source,
+                            "method": f"mean of the gates of {len(loaded)} identify runs: {runs}",
+                            "date": datetime.date.today().isoformat(), "license": first.provenance.license,
+                            "notes": notes or None})
+    averaged = HeadPattern.model_validate(data)
+    averaged.save(out)
+    return f"wrote {out}: mean of {len(loaded)} patterns, {_shape_summary(averaged)}, gates {_gate_summary(averaged)}"
+
+
+def _check_averageable(pattern: HeadPattern, source: str, first: HeadPattern, first_source: str) -> None:
+    """Gates of one model shape, deployed alike: otherwise their mean means nothing."""
+    if pattern.gates is None:
+        raise PatternError(f"{source} stores only a retrieval mask, not gates: average patterns with gates")
+    shape, first_shape = _model_shape(pattern), _model_shape(first)
+    if shape != first_shape:
+        raise PatternError(f"{source} is for {shape} but {first_source} for {first_shape}: average runs of one model")
+    differ = [f"{field} {getattr(pattern, field)} vs {getattr(first, field)}"
+              for field in ("sparsity", "sink", "recent") if getattr(pattern, field) != getattr(first, field)]
+    if differ:
+        raise PatternError(f"{source} and {first_source} differ in {', '.join(differ)}: average patterns with "
+                           "the same sparsity, sink and recent")
+
+
+def _model_shape(pattern: HeadPattern) -> str:
+    return f"{pattern.model.architecture}, {_shape_summary(pattern)}"
+
+
+def _run_label(pattern: HeadPattern, source: str) -> str:
+    """'seed 42, 2000 steps' from an identify provenance, else the file name."""
+    found = [re.search(regex, pattern.provenance.method) for regex in (r"\bseed \d+", r"\b\d+ steps")]
+    return ", ".join(match.group() for match in found if match) or Path(source).name
 
 
 @dataclass(frozen=True)

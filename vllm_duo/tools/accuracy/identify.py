@@ -11,29 +11,47 @@ import numpy as np
 import torch
 
 from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
-from vllm_duo.tools.accuracy.training import IdentifySettings, TrainResult, checkpoint_steps, train
+from vllm_duo.tools.accuracy.training import (LENGTH_INTERVALS, IdentifySettings, TrainResult, checkpoint_steps,
+                                              train)
 from vllm_duo.tools.pattern_commands import pattern_from_gates, show
 from vllm_duo.tools.processes import free_port
 
 SOURCE = "vllm-duo identify"
+GPU_MIN_CONTEXT_LEN = 1000  # the paper's shortest training prompt
 
 
 def default_context_len(model_dir: str | Path, device: str | None = None) -> int:
     """On GPU the model's usable context (max_position_embeddings, at most the reference's 32000); 2048 on CPU,
     where a step at 8k tokens takes minutes."""
-    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if not cuda:
+    if not _on_cuda(device):
         return 2048
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     return min(int(config.get("max_position_embeddings") or 32000), 32000)
 
 
+def default_min_context_len(context_len: int, device: str | None = None) -> int:
+    """On GPU the paper's 1000 tokens (at most context_len); half of context_len on CPU, where prompts are short."""
+    return min(GPU_MIN_CONTEXT_LEN, context_len) if _on_cuda(device) else context_len // 2
+
+
+def _on_cuda(device: str | None) -> bool:
+    return (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+
+
 def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: TrainResult, *, name: str | None = None,
-                  aliases: Sequence[str] = (), sparsity: float = 0.5, deploy_sink: int = 64,
-                  deploy_recent: int = 256, date: str | None = None, license: str | None = None) -> HeadPattern:
-    """A HeadPattern with the trained gates, deploy defaults and a provenance that names every hyperparameter."""
+                  aliases: Sequence[str] = (), sparsity: float = 0.5, deploy_sink: int | None = None,
+                  deploy_recent: int | None = None, date: str | None = None,
+                  license: str | None = None) -> HeadPattern:
+    """A HeadPattern with the trained gates and a provenance that names every hyperparameter.
+
+    It is deployed with the training sink/recent unless deploy_sink/deploy_recent say otherwise: the gates rank
+    heads for the window they were trained with.
+    """
+    deploy_sink = settings.sink if deploy_sink is None else deploy_sink
+    deploy_recent = settings.recent if deploy_recent is None else deploy_recent
     length = (f"{settings.context_len}" if settings.min_context_len in (None, settings.context_len)
-              else f"uniform in [{settings.min_context_len}, {settings.context_len}]")
+              else f"drawn uniformly from {LENGTH_INTERVALS} evenly spaced values in [{settings.min_context_len}, "
+                   f"{settings.context_len}]")
     method = (
         "DuoAttention gate optimization: one gate alpha per layer and KV head (init 1, broadcast over its GQA "
         "group), head output = alpha * causal attention + (1 - alpha) * streaming attention (Λ mask: sink "
@@ -51,8 +69,8 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
     notes = (f"final loss {final.loss:.6f} (distill {final.distill:.6f}, reg {final.reg:.6f}); mean loss of the last "
              f"{len(last)} steps {np.mean([s.loss for s in last]):.6f}; first-step loss "
              f"{result.history[0].loss:.6f}; {len(result.history)} steps in {result.wall_s:.1f} s wall; mean gate "
-             f"{result.gates.mean():.4f}. Deploy sink/recent {deploy_sink}/{deploy_recent} (the reference deploys "
-             "64/256); training used the sink/recent in the method.")
+             f"{result.gates.mean():.4f}. Trained with sink/recent {settings.sink}/{settings.recent}, deployed with "
+             f"{deploy_sink}/{deploy_recent} (the paper trains 128/256 and deploys 64/256).")
     return pattern_from_gates(result.gates, model_dir, name=name, aliases=aliases, sparsity=sparsity,
                               sink=deploy_sink, recent=deploy_recent, source=SOURCE, method=method, notes=notes,
                               date=date, license=license)
@@ -77,7 +95,7 @@ def _run_distributed(model_dir: str, settings: IdentifySettings, out: str, run: 
     import torch.distributed as dist
 
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    cuda = (settings.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    cuda = _on_cuda(settings.device)
     device = f"cuda:{local_rank}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(local_rank)
@@ -109,7 +127,7 @@ def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings,
                            "training would be lost")
     run = {"checkpoint": None if checkpoint is None else str(checkpoint), "time_limit": time_limit}
     read_hf_config(model_dir)  # a wrong folder fails here, not in every spawned process
-    cuda = (settings.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    cuda = _on_cuda(settings.device)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _run_distributed(model_dir, settings, out, run, options)
         if int(os.environ["RANK"]) != 0:
