@@ -376,9 +376,16 @@ def test_cli_average_is_the_mean_of_the_gates(capsys, tmp_path):
     assert np.allclose(averaged.gates, np.mean(inputs, axis=0), atol=1e-6)
     assert (averaged.model.name, averaged.sparsity, averaged.sink, averaged.recent) == ("Mean", 0.5, 4, 16)
     assert averaged.provenance.method == ("mean of the gates of 4 identify runs: seed 1, 500 steps; seed 2, 500 steps; "
-                                          "seed 3, 500 steps; hand.json")
+                                          "seed 3, 500 steps; hand.json. The runs' methods differ: see each input "
+                                          "pattern's provenance.")
     assert "seed1.json: final loss 0.1" in averaged.provenance.notes and len(averaged.provenance.notes) < 3 * 200
     assert main(["pattern", "validate", str(out)]) == 0
+
+    # runs that differ only in seed keep their recipe
+    assert main(["pattern", "average", *map(str, seeds), "-o", str(out)]) == 0
+    assert HeadPattern.load(out).provenance.method == (
+        "mean of the gates of 3 identify runs: seed 1, 500 steps; seed 2, 500 steps; seed 3, 500 steps. Each run: "
+        "DuoAttention gate optimization ... 500 steps, ... seed 1; float32")
 
 
 @pytest.mark.parametrize("edit, named", [

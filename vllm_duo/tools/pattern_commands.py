@@ -136,7 +136,8 @@ def average(specs: list[str], out: str, name: str | None = None) -> str:
     data.update(gates=np.round(gates, 6).tolist(), retrieval_mask=None, layer_exclusive=False,
                 model={**data["model"], "name": name or first.model.name},
                 provenance={"source": first.provenance.source,
-                            "method": f"mean of the gates of {len(loaded)} identify runs: {runs}",
+                            "method": f"mean of the gates of {len(loaded)} identify runs: {runs}. "
+                                      f"{_shared_method(loaded)}",
                             "date": datetime.date.today().isoformat(), "license": first.provenance.license,
                             "notes": notes or None})
     averaged = HeadPattern.model_validate(data)
@@ -160,6 +161,18 @@ def _check_averageable(pattern: HeadPattern, source: str, first: HeadPattern, fi
 
 def _model_shape(pattern: HeadPattern) -> str:
     return f"{pattern.model.architecture}, {_shape_summary(pattern)}"
+
+
+def _shared_method(loaded: list[tuple[HeadPattern, str]]) -> str:
+    """The runs' recipe, so that the averaged pattern still says how its gates were trained: the first run's method
+    when the others differ from it only in seed and step count, else a pointer to the inputs."""
+    def recipe(pattern: HeadPattern) -> str:
+        return re.sub(r"\bseed \d+|\b\d+ steps", "", pattern.provenance.method)
+
+    first = loaded[0][0]
+    if all(recipe(pattern) == recipe(first) for pattern, _ in loaded):
+        return f"Each run: {first.provenance.method}"
+    return "The runs' methods differ: see each input pattern's provenance."
 
 
 def _run_label(pattern: HeadPattern, source: str) -> str:
