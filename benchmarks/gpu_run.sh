@@ -48,18 +48,19 @@ for stage in "$@"; do
       bench zigzag-long --workloads tpot_sweep --zigzag-sparsity 0.5 --set tpot_sweep.input_lens=16384,65536,98304 \
         --only ${ONLY:?set ONLY} ;;
     zigzag4) bench zigzag --workloads decode_heavy --zigzag-sparsity 0.5 --only zigzag ;;  # dense, duo: suite5-6
-    identify)  # DuoAttention gates for SmolLM2 (issue 8): IDENTIFY_STEPS steps (default 2000) at its 8k context. A call
-      # stops a minute before its deadline with the training state in $WORK/identify; the same stage in the next call
-      # of the warm machine continues it (0.57 s/step on an H100: 2000 steps take 3 calls). The pattern stays there
-      # for the eval stage ($OUT is new each call).
-      mkdir -p $WORK/identify
+    identify)  # DuoAttention gates for SmolLM2: IDENTIFY_STEPS steps (default 2000) at its 8k context, IDENTIFY_ARGS more
+      # options (e.g. "--seed 43", or "--layer-gates" for ZigzagAttention's per-layer gates), IDENTIFY_NAME a folder of
+      # its own ($WORK/identify-NAME) so runs with other options keep separate checkpoints. A call stops a minute
+      # before its deadline with the training state saved; the same stage in the next call of the warm machine
+      # continues it (about 18 min for 2000 steps on an H100). The pattern stays there for the eval stage.
+      dir=$WORK/identify${IDENTIFY_NAME:+-$IDENTIFY_NAME}; mkdir -p $dir
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
-        --checkpoint $WORK/identify/state.pt --time-limit $((DEADLINE - SECONDS - 60)) \
-        -o $WORK/identify/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
-        --alias HuggingFaceTB/SmolLM2-135M-Instruct --alias smollm2 --license Apache-2.0 2>&1 | tr '\r' '\n' \
-        | tee -a "$WORK/identify/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -14
-      grep "^identify: " "$WORK/identify/identify.log" | tail -1
-      cp $WORK/identify/identify.log "$OUT/"; cp $WORK/identify/*.json "$OUT/" 2>/dev/null ;;
+        --checkpoint $dir/state.pt --time-limit $((DEADLINE - SECONDS - 60)) \
+        -o $dir/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
+        --alias HuggingFaceTB/SmolLM2-135M-Instruct --alias smollm2 --license Apache-2.0 ${IDENTIFY_ARGS:-} 2>&1 | tr '\r' '\n' \
+        | tee -a "$dir/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -14
+      grep "^identify: " "$dir/identify.log" | tail -1
+      cp $dir/identify.log "$OUT/"; cp $dir/*.json "$OUT/" 2>/dev/null ;;
     eval)  # needle eval through vLLM on SmolLM2 (issue 20): the default 400 prompts (1k-6k tokens) x 7 methods, one engine
       # per method and per context for streaming50 (11 engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS:
       # more options (e.g. --methods ...). Results are written after each method, so a run stopped by the deadline

@@ -178,3 +178,14 @@ def test_bundled_llama_31_at_half_sparsity(tmp_path, capsys):
     source = HeadPattern.load(find_bundled("Meta-Llama-3.1-8B-Instruct"))
     assert np.array_equal(mask, zigzag.zigzag_mask(np.array(source.gates), 0.5))
     assert result.gates == source.gates
+
+
+@pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.7])
+@pytest.mark.parametrize("omega", [0.1, 0.4])
+def test_layer_gates_stream_the_lowest_layers(sparsity, omega):
+    """Gates trained per layer (identify --layer-gates, constant rows): the transport picks the layers with the
+    smallest gates, as ZigzagAttention's layer-wise fine-tuning intends."""
+    layer_gates = np.random.default_rng(3).permutation(np.linspace(0.05, 0.95, 10))
+    mask = zigzag.zigzag_mask(np.repeat(layer_gates[:, None], 4, axis=1), sparsity, omega)
+    streaming = np.flatnonzero(~mask.any(axis=1))
+    assert sorted(streaming) == sorted(np.argsort(layer_gates)[:zigzag.num_streaming_layers(sparsity, 10)])

@@ -206,6 +206,9 @@ def _add_identify_command(commands: _Subparsers) -> None:
                         help="model dtype (default bfloat16 on GPU, float32 on CPU); the gates stay float32")
     parser.add_argument("--grad-checkpoint", action="store_true",
                         help="recompute each layer in the backward pass (for long contexts or large models)")
+    parser.add_argument("--layer-gates", action="store_true",
+                        help="train one gate per layer (ZigzagAttention); make the layer-exclusive pattern from it "
+                             "with `vllm-duo pattern zigzag`")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="continue from this training-state file when it exists; save to it every "
@@ -231,6 +234,7 @@ def _identify(args: argparse.Namespace) -> str:
         min_context_len=args.min_context_len or identify.default_min_context_len(context_len, args.device),
         batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=args.sink, recent=args.recent,
         passkeys=args.passkeys, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
+        layer_gates=args.layer_gates,
         device=args.device)
     return identify.identify(
         args.model, args.output, settings, processes=args.processes, checkpoint=args.checkpoint,

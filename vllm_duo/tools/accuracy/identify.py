@@ -38,6 +38,11 @@ def _on_cuda(device: str | None) -> bool:
     return (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
+# What one gate covers, for the provenance: per KV head (DuoAttention) or per layer (ZigzagAttention's fine-tuning,
+# from which `vllm-duo pattern zigzag` picks the layers with the smallest gates).
+_GATE_KINDS = {False: "one gate alpha per layer and KV head",
+               True: "one gate alpha per layer shared by its KV heads (ZigzagAttention's layer-wise alphas)"}
+
 def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: TrainResult, *, name: str | None = None,
                   aliases: Sequence[str] = (), sparsity: float = 0.5, deploy_sink: int | None = None,
                   deploy_recent: int | None = None, date: str | None = None,
@@ -53,7 +58,7 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
               else f"drawn uniformly from {LENGTH_INTERVALS} evenly spaced values in [{settings.min_context_len}, "
                    f"{settings.context_len}]")
     method = (
-        "DuoAttention gate optimization: one gate alpha per layer and KV head (init 1, broadcast over its GQA "
+        f"DuoAttention gate optimization: {_GATE_KINDS[settings.layer_gates]} (init 1, broadcast over its GQA "
         "group), head output = alpha * causal attention + (1 - alpha) * streaming attention (Λ mask: sink "
         f"{settings.sink}, recent {settings.recent}); model frozen. Loss: mean over question/answer tokens of the "
         "squared distance (mean over the hidden size) between the final hidden states of the gated and the "

@@ -52,6 +52,7 @@ class IdentifySettings:
     seed: int = 42
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     grad_checkpoint: bool = False
+    layer_gates: bool = False  # one gate per layer shared by its KV heads (ZigzagAttention's layer-wise alphas)
     device: str | None = None  # None: cuda when available, else cpu
 
     def check(self) -> None:
@@ -140,7 +141,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def gated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, duo_mix=None, **kwargs):
-    """alpha * causal + (1 - alpha) * Λ-masked attention per KV head, alpha = `module.duo_gate` (GQA-broadcast).
+    """alpha * causal + (1 - alpha) * Λ-masked attention per KV head, alpha = `module.duo_gate` (GQA-broadcast;
+    one value for the whole layer when it holds a single gate).
 
     Without `duo_mix` (the teacher pass) it is plain causal attention. The HF mask is ignored: training sequences
     are single and unpadded, queries and keys are the same positions (no cache).
@@ -153,7 +155,8 @@ def gated_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
     if duo_mix is not None:
         streaming = duo_mix.streaming(query, key, value, scaling)
-        gate = module.duo_gate.to(query.dtype).repeat_interleave(groups).view(1, num_heads, 1, 1)
+        gate = module.duo_gate.to(query.dtype).expand(num_heads // groups).repeat_interleave(groups)
+        gate = gate.view(1, num_heads, 1, 1)
         full = streaming + gate * (full - streaming)
     return full.transpose(1, 2).contiguous(), None
 
@@ -219,8 +222,9 @@ class GateTrainer:
             raise PatternError(f"{model_dir}: found attention modules for layers {sorted(attention)}, expected "
                                f"0..{self.num_layers - 1}: this architecture is not supported by identify")
         self.gates: list[torch.nn.Parameter] = []
+        gates_per_layer = 1 if settings.layer_gates else self.num_kv_heads
         for layer in range(self.num_layers):
-            gate = torch.nn.Parameter(torch.ones(self.num_kv_heads, device=self.device, dtype=torch.float32))
+            gate = torch.nn.Parameter(torch.ones(gates_per_layer, device=self.device, dtype=torch.float32))
             attention[layer].duo_gate = gate  # a registered Parameter of the module, float32 whatever the model dtype
             self.gates.append(gate)
         # weight_decay 0 as in the reference: the L1 term is the only pull on the gates.
@@ -283,8 +287,8 @@ class GateTrainer:
                          mean_gate=float(torch.cat([g.detach() for g in self.gates]).mean()))
 
     def gate_matrix(self) -> np.ndarray:
-        """Float64 [num_layers, num_kv_heads] copy of the gates."""
-        return torch.stack([gate.detach().float().cpu() for gate in self.gates]).double().numpy()
+        """Float64 [num_layers, num_kv_heads] copy of the gates (a layer gate repeated over its KV heads)."""
+        return torch.stack([gate.detach().float().cpu().expand(self.num_kv_heads) for gate in self.gates]).double().numpy()
 
     def save(self, path: str | Path, steps_done: int, history: list[StepStats], wall_s: float) -> None:
         """Writes what a later run needs to continue exactly: gates, AdamW and schedule state, the loss history.
