@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from vllm_duo.pattern import PatternError
 from vllm_duo.tools.accuracy import passkey
 
 
@@ -112,17 +111,8 @@ def needle_prompt(tokenizer, context_len: int, rng: random.Random, depth: float,
     sentences = passkey.haystack_sentences(encode, rng, budget, haystack)
     question_start = len(head) + sum(map(len, sentences)) + len(fact)
 
-    places, start = [], len(head)  # before sentence i, or after the last one
-    for i in range(len(sentences) + 1):
-        if sink <= start and start + len(fact) <= question_start - recent:
-            places.append(i)
-        start += len(sentences[i]) if i < len(sentences) else 0
-    if not places:
-        raise PatternError(f"context length {context_len} leaves no place for a needle outside sink {sink} + recent "
-                           f"{recent} tokens: raise the context length or lower sink/recent")
-    place = places[min(int(depth * len(places)), len(places) - 1)]
-    before = [token for sentence in sentences[:place] for token in sentence]
-    after = [token for sentence in sentences[place:] for token in sentence]
+    before, after = passkey.split_out_of_view(sentences, len(head), len(fact), question_start, depth, sink=sink,
+                                              recent=recent, context_len=context_len, what="needle")
     needle_start = len(head) + len(before)
     return NeedlePrompt(input_ids=head + before + fact + after + tail,
                         needle=range(needle_start, needle_start + len(fact)), question_start=question_start, key=key)

@@ -59,6 +59,23 @@ def haystack_sentences(encode, rng: random.Random, budget: int,
         length += len(sentence)
 
 
+def split_out_of_view(sentences: list[list[int]], prefix_len: int, needle_len: int, question_start: int, depth: float,
+                      *, sink: int, recent: int, context_len: int, what: str) -> tuple[list[int], list[int]]:
+    """The haystack tokens (before, after) a needle of `needle_len` tokens placed at `depth` (0 = earliest, 1 = latest).
+
+    The needle goes between two sentences, and only where a streaming head with `sink` + `recent` cannot see it from
+    the question (at `question_start`): after the first `sink` tokens and more than `recent` tokens before the
+    question. `depth` picks among those places; `prefix_len` tokens come before the first sentence.
+    """
+    starts = np.cumsum([prefix_len] + [len(sentence) for sentence in sentences])  # before sentence i, or at the end
+    places = [i for i, start in enumerate(starts) if sink <= start and start + needle_len <= question_start - recent]
+    if not places:
+        raise PatternError(f"context length {context_len} leaves no place for a {what} outside sink {sink} + recent "
+                           f"{recent} tokens: raise the context length or lower sink/recent")
+    place = places[min(int(depth * len(places)), len(places) - 1)]
+    return ([token for sentence in sentences[:place] for token in sentence],
+            [token for sentence in sentences[place:] for token in sentence])
+
 def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float, *, sink: int,
                    recent: int) -> PasskeyPrompt:
     """A prompt of at most `context_len` tokens with a 5-digit passkey at `depth` (0 = earliest, 1 = latest).
@@ -78,14 +95,8 @@ def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float
     haystack_len = sum(map(len, sentences))
 
     question_start = len(intro) + haystack_len + len(needle)
-    starts = np.cumsum([len(intro)] + [len(sentence) for sentence in sentences])  # before sentence i, or at the end
-    places = [i for i, start in enumerate(starts) if sink <= start and start + len(needle) <= question_start - recent]
-    if not places:
-        raise PatternError(f"context length {context_len} leaves no place for a passkey outside sink {sink} + recent "
-                           f"{recent} tokens: raise the context length or lower sink/recent")
-    place = places[min(int(depth * len(places)), len(places) - 1)]
-    before = [token for sentence in sentences[:place] for token in sentence]
-    after = [token for sentence in sentences[place:] for token in sentence]
+    before, after = split_out_of_view(sentences, len(intro), len(needle), question_start, depth, sink=sink,
+                                      recent=recent, context_len=context_len, what="passkey")
     needle_start = len(intro) + len(before)
     return PasskeyPrompt(
         input_ids=intro + before + needle + after + question + answer,
