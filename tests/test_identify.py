@@ -83,7 +83,6 @@ def test_only_the_gates_train_and_stay_in_range(smollm2_dir, tmp_path):
     assert (tmp_path / "gates.png").stat().st_size > 0
 
 
-
 def test_layer_gates_train_one_value_per_layer(smollm2_dir, tmp_path):
     """--layer-gates (ZigzagAttention's fine-tuning): one trained gate per layer, repeated over its KV heads in the
     pattern, named in the provenance; its checkpoint never resumes a per-head run."""
@@ -91,16 +90,19 @@ def test_layer_gates_train_one_value_per_layer(smollm2_dir, tmp_path):
     trainer = training.GateTrainer(smollm2_dir, settings)
     assert [gate.shape for gate in trainer.gates] == [torch.Size([1])] * trainer.num_layers
     history = [trainer.step(step) for step in range(settings.steps)]
+    assert all(gate.grad is not None and gate.grad.shape == (1,) for gate in trainer.gates)
     gates = trainer.gate_matrix()
     assert gates.shape == (trainer.num_layers, trainer.num_kv_heads)
     assert (gates == gates[:, :1]).all() and (gates < 0.999).any()
     pattern = identify.build_pattern(smollm2_dir, settings, training.TrainResult(gates=gates, history=history))
-    assert "one gate alpha per layer shared by its KV heads" in pattern.provenance.method
+    method = pattern.provenance.method
+    assert "one gate per layer shared by its KV heads (ZigzagAttention's layer-wise alphas)" in method
 
     checkpoint = tmp_path / "state.pt"
     trainer.save(checkpoint, settings.steps, history, 1.0)
     with pytest.raises(PatternError, match=r"other settings \(layer_gates\)"):
         training.GateTrainer(smollm2_dir, dataclasses.replace(settings, layer_gates=False)).load(checkpoint)
+
 
 def test_cli_writes_a_valid_pattern(smollm2_dir, tmp_path, capsys):
     out = tmp_path / "p.json"

@@ -41,7 +41,8 @@ def _on_cuda(device: str | None) -> bool:
 # What one gate covers, for the provenance: per KV head (DuoAttention) or per layer (ZigzagAttention's fine-tuning,
 # from which `vllm-duo pattern zigzag` picks the layers with the smallest gates).
 _GATE_KINDS = {False: "one gate alpha per layer and KV head",
-               True: "one gate alpha per layer shared by its KV heads (ZigzagAttention's layer-wise alphas)"}
+               True: "one gate per layer shared by its KV heads (ZigzagAttention's layer-wise alphas)"}
+
 
 def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: TrainResult, *, name: str | None = None,
                   aliases: Sequence[str] = (), sparsity: float = 0.5, deploy_sink: int | None = None,

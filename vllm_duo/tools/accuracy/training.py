@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DuoAttention gate training: one gate per layer and KV head mixes full and streaming attention in the frozen
-Hugging Face model, trained so that the mix keeps the full model's hidden states on multi-passkey prompts.
+"""DuoAttention gate training: one gate per layer and KV head (or per layer, ZigzagAttention's layer-wise alphas)
+mixes full and streaming attention in the frozen Hugging Face model, trained so that the mix keeps the full model's
+hidden states on multi-passkey prompts.
 
 Haystack: the varied filler sentences of passkey.py (subject, verb, object and ending drawn from fixed lists,
 12^4 sentences, no digits), generated offline from a seed. The reference trains on BookSum chapters, which are not
@@ -194,7 +195,8 @@ class TrainResult:
 
 
 class GateTrainer:
-    """The frozen model with one trainable gate per KV head and layer, and the AdamW step over those gates."""
+    """The frozen model with one trainable gate per KV head and layer (per layer with layer_gates), and the AdamW
+    step over those gates."""
 
     def __init__(self, model_dir: str | Path, settings: IdentifySettings, *, rank: int = 0, world_size: int = 1,
                  device: str | torch.device | None = None):
@@ -288,7 +290,8 @@ class GateTrainer:
 
     def gate_matrix(self) -> np.ndarray:
         """Float64 [num_layers, num_kv_heads] copy of the gates (a layer gate repeated over its KV heads)."""
-        return torch.stack([gate.detach().float().cpu().expand(self.num_kv_heads) for gate in self.gates]).double().numpy()
+        rows = [gate.detach().float().cpu().expand(self.num_kv_heads) for gate in self.gates]
+        return torch.stack(rows).double().numpy()
 
     def save(self, path: str | Path, steps_done: int, history: list[StepStats], wall_s: float) -> None:
         """Writes what a later run needs to continue exactly: gates, AdamW and schedule state, the loss history.
