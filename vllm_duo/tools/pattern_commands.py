@@ -17,6 +17,7 @@ from vllm_duo.pattern import (SCHEMA_VERSION, HeadPattern, PatternError, pattern
 _GIB = 1024**3
 _LAYERS_PER_TABLE_ROW = 16
 _NOTE_CHARS = 160  # an averaged pattern keeps this much of each input's notes
+_RUN_FIELDS = (r"\bseed \d+", r"\b\d+ steps")  # what tells identify runs of one recipe apart, in their method
 
 
 def pattern_from_gates(gates: np.ndarray, model_dir: str | Path, *, name: str | None,
@@ -167,7 +168,7 @@ def _shared_method(loaded: list[tuple[HeadPattern, str]]) -> str:
     """The runs' recipe, so that the averaged pattern still says how its gates were trained: the first run's method
     when the others differ from it only in seed and step count, else a pointer to the inputs."""
     def recipe(pattern: HeadPattern) -> str:
-        return re.sub(r"\bseed \d+|\b\d+ steps", "", pattern.provenance.method)
+        return re.sub("|".join(_RUN_FIELDS), "", pattern.provenance.method)
 
     first = loaded[0][0]
     if all(recipe(pattern) == recipe(first) for pattern, _ in loaded):
@@ -177,7 +178,7 @@ def _shared_method(loaded: list[tuple[HeadPattern, str]]) -> str:
 
 def _run_label(pattern: HeadPattern, source: str) -> str:
     """'seed 42, 2000 steps' from an identify provenance, else the file name."""
-    found = [re.search(regex, pattern.provenance.method) for regex in (r"\bseed \d+", r"\b\d+ steps")]
+    found = [re.search(regex, pattern.provenance.method) for regex in _RUN_FIELDS]
     return ", ".join(match.group() for match in found if match) or Path(source).name
 
 
