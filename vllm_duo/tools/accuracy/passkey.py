@@ -76,6 +76,7 @@ def split_out_of_view(sentences: list[list[int]], prefix_len: int, needle_len: i
     return ([token for sentence in sentences[:place] for token in sentence],
             [token for sentence in sentences[place:] for token in sentence])
 
+
 def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float, *, sink: int,
                    recent: int) -> PasskeyPrompt:
     """A prompt of at most `context_len` tokens with a 5-digit passkey at `depth` (0 = earliest, 1 = latest).
