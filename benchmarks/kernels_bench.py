@@ -18,7 +18,11 @@ fp8 (`--fp8`): decode at batch 4 x 64k and 32 x 32k over an e4m3 cache (scales 1
 in fp16 (their default for bf16 models) and in bf16, against the same heads in a bf16 cache and FA3's fp8
 path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
 
-Run from the repository root: python benchmarks/kernels_bench.py [--fp8]   (results: $OUT/kernels_bench.json,
+mixed (`--mixed`, issue 22): one layer over the mixed batches vLLM runs eagerly between piecewise CUDA graphs
+(prefill bursts of 1k and 4k prompts, decodes beside a chunk), duo against dense's cache write + FA3: device time,
+the host time to issue a call, cProfile's split of it, and the streaming heads' prefill over several tile shapes.
+
+Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed]   (results: $OUT/kernels_bench.json,
 or benchmarks/results/ without $OUT).
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -115,11 +120,11 @@ class DuoLayout:
     table: torch.Tensor
 
     @classmethod
-    def build(cls, seq_lens: list[int]) -> DuoLayout:
-        R, S = len(RETRIEVAL), NUM_KV_HEADS - len(RETRIEVAL)
+    def build(cls, seq_lens: list[int], retrieval: list[int] = RETRIEVAL) -> DuoLayout:
+        R, S = len(retrieval), NUM_KV_HEADS - len(retrieval)
         P = R
         stride = 1 + triton.cdiv(S, P)  # BLOCK slots x S streaming heads in blocks of BLOCK x P cells
-        heads = LayerHeads.build(RETRIEVAL, NUM_KV_HEADS, NUM_HEADS, stride, SINK, RECENT, device=DEV)
+        heads = LayerHeads.build(retrieval, NUM_KV_HEADS, NUM_HEADS, stride, SINK, RECENT, device=DEV)
         counts = [triton.cdiv(s, BLOCK) * stride for s in seq_lens]
         ids = torch.randperm(sum(counts), device=DEV).int() + 1
         table = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32, device=DEV)
@@ -388,6 +393,154 @@ def bench_prefill(fa, rows, out_json, lengths=(8192, 32768, 131072), chunk=8192)
     out_json["prefill"] = results
 
 
+def host_us(fn, calls: int = 40, repeats: int = 5) -> float:
+    """Host time to issue one call, in us: the calls queue behind a GPU sleep, so none waits for the device."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda._sleep(100_000_000)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(times)[repeats // 2]
+
+
+def device_ms(fn) -> float:
+    """Device time of one call: a CUDA graph replay where the call can be captured (no host cost in it)."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception:  # noqa: BLE001 - FlashAttention's varlen path may refuse capture: time it eagerly
+        torch.cuda.synchronize()
+        return ms(fn)
+
+
+def python_top(fn, calls: int = 50, top: int = 10) -> list[dict]:
+    """cProfile of `calls` calls: the functions with the most own time, per call."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [fn() for _ in range(calls)])
+    torch.cuda.synchronize()
+    stats = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "own_us_per_call": own * 1e6 / calls}
+            for (path, line, name), (_, _, own, _, _) in stats]
+
+
+# Mixed batches of one layer (issue 22): (name, per request (context after the step, new tokens)).
+MIXED_CASES = (("burst 8 x 1k prefill", [(1024, 1024)] * 8),
+               ("burst 2 x 4k prefill", [(4096, 4096)] * 2),
+               ("15 decode 16k + 384 after a 16k hit", [(16000, 1)] * 15 + [(16384, 384)]),
+               ("31 decode 1k + 256 prefill", [(1024, 1)] * 31 + [(256, 256)]))
+# Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config; the first is its H100
+# choice for head_dim 128).
+PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
+                   dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                   dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2))
+
+
+def bench_mixed(fa, rows, out_json):
+    """One layer's attention over mixed batches, duo vs dense (cache write + FA3) as vLLM runs them eagerly
+    between piecewise CUDA graphs: device time, host time to issue, and where duo's host time goes. Then
+    the streaming heads' prefill over the tile shapes of PREFILL_CONFIGS."""
+    from vllm import _custom_ops as ops
+    from vllm_duo.kernels import prefill as prefill_module
+    from vllm_duo.kernels.attention import retrieval_flash_attention
+
+    results = []
+    for name, batch in MIXED_CASES:
+        seq_lens = [s for s, _ in batch]
+        new = [n for _, n in batch]
+        T = sum(new)
+        duo = DuoLayout.build(seq_lens, retrieval=list(range(len(RETRIEVAL))))  # reordered at load, as served
+        heads = duo.heads
+        retrieval_table = duo.table[:, ::heads.stride].contiguous()
+        dense_k, dense_v, dense_table = dense_paged(seq_lens)
+        qsl = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32, device=DEV)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+        positions = torch.cat([torch.arange(s - n, s, device=DEV) for s, n in batch])
+        request = torch.cat([torch.full((n,), i, device=DEV) for i, n in enumerate(new)])
+        slots = (dense_table[request, positions // BLOCK].long() * BLOCK + positions % BLOCK).long()
+        query = torch.randn(T, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        key = torch.randn(T, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        value = torch.randn_like(key)
+        out, fa_out = torch.empty_like(query), torch.empty_like(query)
+        one = torch.ones((), dtype=torch.float32, device=DEV)
+        max_q, max_s = max(new), max(seq_lens)
+
+        def duo_layer():
+            duo_attention_triton(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, max_s,
+                                 retrieval_table=retrieval_table)
+
+        def dense_layer():
+            ops.reshape_and_cache_flash(key, value, dense_k, dense_v, slots, "auto", one, one)
+            fa(query, dense_k, dense_v, max_seqlen_q=max_q, cu_seqlens_q=qsl, max_seqlen_k=max_s, seqused_k=sl,
+               softmax_scale=SCALE, causal=True, block_table=dense_table, out=fa_out)
+
+        res = dict(case=name, tokens=T, requests=len(batch))
+        for side, fn in (("duo", duo_layer), ("dense", dense_layer)):
+            res[f"{side}_device_ms"] = device_ms(fn)
+            res[f"{side}_host_us"] = host_us(fn)
+        def streaming(into):
+            prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, into, streaming_only=True)
+
+        res["duo_write_kv_ms"] = device_ms(lambda: cache_write.write_kv(key, value, duo.cache, heads, qsl, sl,
+                                                                        duo.table))
+        res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
+        res["duo_retrieval_fa3_ms"] = device_ms(lambda: retrieval_flash_attention(
+            fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s))
+        if seq_lens == new:  # prompts from scratch: how fast FA3 takes the streaming heads' window (no sinks)
+            R = heads.num_retrieval
+            res["fa3_streaming_window_ms"] = device_ms(lambda: fa(
+                query[:, R * heads.group_size:], key[:, R:], value[:, R:], max_seqlen_q=max_q, cu_seqlens_q=qsl,
+                max_seqlen_k=max_q, cu_seqlens_k=qsl, softmax_scale=SCALE, causal=True, window_size=(RECENT - 1, 0),
+                return_softmax_lse=True))
+            rows.append((f"mixed {T}", f"{name}: FA3 window on the streaming heads (no sinks: a bound)",
+                         res["fa3_streaming_window_ms"], float("nan")))
+        res["duo_python"] = python_top(duo_layer)
+        res["dense_python"] = python_top(dense_layer)
+        for side in ("duo", "dense"):
+            rows.append((f"mixed {T}", f"{name}: {side} layer, device", res[f"{side}_device_ms"], float("nan")))
+            rows.append((f"mixed {T}", f"{name}: {side} layer, host us/call {res[f'{side}_host_us']:.0f}",
+                         res[f"{side}_host_us"] / 1e3, float("nan")))
+        for part in ("write_kv", "streaming_prefill", "retrieval_fa3"):
+            rows.append((f"mixed {T}", f"{name}: duo {part}", res[f"duo_{part}_ms"], float("nan")))
+
+        if max_q > 1:
+            reference = out.clone()
+            streaming(reference)
+            default_config = prefill_module._prefill_config
+            res["streaming_prefill_configs"] = []
+            try:
+                for config in PREFILL_CONFIGS:
+                    prefill_module._prefill_config = lambda head_dim, device, c=config: dict(c)
+                    trial = out.clone()
+                    try:
+                        streaming(trial)
+                        err = rel_err(trial[:, heads.streaming_q], reference[:, heads.streaming_q])
+                        t = device_ms(lambda: streaming(trial))
+                    except Exception as e:  # noqa: BLE001 - a shape that does not compile: note it, go on
+                        err, t = repr(e)[:200], float("nan")
+                    res["streaming_prefill_configs"].append(dict(config, ms=t, rel_err=err))
+                    rows.append((f"mixed {T}", f"{name}: streaming {'/'.join(str(v) for v in config.values())}", t,
+                                 float("nan")))
+            finally:
+                prefill_module._prefill_config = default_config
+        results.append(res)
+        del duo, dense_k, dense_v
+        torch.cuda.empty_cache()
+    out_json["mixed"] = results
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("kernels_bench.py needs a CUDA GPU")
@@ -402,8 +555,12 @@ def main():
     copy_tbps = copy_bandwidth()
     out_json["copy_tbps"] = copy_tbps
     rows = []
-    parts = (("decode_fp8", bench_decode_fp8),) if "--fp8" in sys.argv else (("decode", bench_decode),
-                                                                              ("prefill", bench_prefill))
+    if "--fp8" in sys.argv:
+        parts = (("decode_fp8", bench_decode_fp8),)
+    elif "--mixed" in sys.argv:
+        parts = (("mixed", bench_mixed),)
+    else:
+        parts = (("decode", bench_decode), ("prefill", bench_prefill))
     for name, fn in parts:
         try:
             fn(fa, rows, out_json)
@@ -414,7 +571,8 @@ def main():
 
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
-    result_file = target / ("kernels_bench_fp8.json" if "--fp8" in sys.argv else "kernels_bench.json")
+    suffix = "_fp8" if "--fp8" in sys.argv else "_mixed" if "--mixed" in sys.argv else ""
+    result_file = target / f"kernels_bench{suffix}.json"
     result_file.write_text(json.dumps(out_json, indent=2))
 
     print(f"\n{props.name}, {props.multi_processor_count} SMs, triton {triton.__version__}; copy {copy_tbps:.2f} TB/s, "

@@ -7,6 +7,8 @@ One in-process vLLM engine per run (`--backend dense` or `duo`), CUDA graphs and
   mixed:  the chat_turns case. The B documents are cached; B - 1 requests decode and one more arrives that hits
           its document's C tokens and prefills N new ones. The timed step is the one that holds that prefill
           (piecewise graphs, attention eager), against the decode-only step after it; the profile covers both.
+  burst:  K new prompts of L tokens at once (short_itl's TTFT case): the chunked-prefill steps until every one has
+          its first token, profiled over a whole burst (per step: the burst's steps on average).
 
 It prints and writes (`--out`, JSON) the median wall time of each kind of step (`engine.step()`: schedule, model,
 sampling, outputs), the torch profiler's top CUDA kernels and CPU ops over P steps of each kind, per step, and
@@ -42,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=16000, help="C: tokens of each request's document")
     p.add_argument("--new-tokens", type=int, default=384, help="N: tokens the arriving request prefills past its hit")
     p.add_argument("--steps", type=int, default=8, help="P: profiled steps of each kind")
+    p.add_argument("--burst", type=int, default=32, help="K: prompts arriving at once in the burst (0: no burst)")
+    p.add_argument("--burst-len", type=int, default=1024, help="L: tokens of each burst prompt")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU stack)")
     p.add_argument("--out", help="JSON file for the results")
     return p.parse_args(argv)
@@ -59,11 +63,11 @@ def build_engine(args):
     return LLM(**engine)
 
 
-def documents(batch: int, length: int, vocab: int = 30000) -> list[list[int]]:
+def documents(batch: int, length: int, vocab: int = 30000, seed: int = 0) -> list[list[int]]:
     """Distinct token documents (token ids 1000..1000+vocab, seeded), one per request."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     return [[1000 + rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
 
 
@@ -170,13 +174,36 @@ def main(argv=None) -> dict:
     steps.engine.abort_request([f"mix{i}" for i in range(1, args.batch)])
     steps.drain()
 
+    if args.burst:  # K fresh prompts at once until each has its first token: a warm-up, a timed, a profiled burst
+        prompts = documents(4 * args.burst, args.burst_len, seed=1)  # none shares a block with the documents
+        bursts = iter(enumerate(prompts[i::4] for i in range(4)))
+
+        def burst(kind=None):
+            number, batch = next(bursts)
+            for i, prompt in enumerate(batch):
+                steps.add(f"burst{number}-{i}", prompt, 1)
+            count = 0
+            while steps.engine.has_unfinished_requests():
+                steps.step(kind)
+                count += 1
+            return count
+
+        burst()
+        result["burst_steps"] = burst("burst")
+        result["burst"] = profile(burst, result["burst_steps"])
+        result["burst"]["python"] = python_profile(burst, result["burst_steps"])
+        result["burst_ms"] = sum(steps.times["burst"])
+
     result["step_ms"] = {kind: statistics.median(times) for kind, times in steps.times.items()}
     result["settings"] = {k: v for k, v in vars(args).items() if k != "out"}
     print(f"== {args.backend}: median step ms {json.dumps({k: round(v, 2) for k, v in result['step_ms'].items()})}")
-    for kind in ("decode", "mixed"):
+    for kind in ("decode", "mixed", "burst"):
+        if kind not in result:
+            continue
         r = result[kind]
         print(f"-- {kind}: {r['launches_per_step']:.0f} kernel launches, {r['device_us_per_step']:.0f} us device "
-              f"time per step (mixed: per pair of a prefill step and a decode step)")
+              f"time per step (mixed: per pair of a prefill step and a decode step; burst: "
+              f"{result.get('burst_steps')} steps, {result.get('burst_ms', 0):.0f} ms in all)")
         for e in r["kernels"][:12]:
             print(f"   {e['us_per_step']:9.1f} us {e['calls_per_step']:6.1f}x  {e['name']}")
         print("   top CPU ops (self):")
