@@ -431,10 +431,13 @@ def python_top(fn, calls: int = 50, top: int = 10) -> list[dict]:
 
 
 # Mixed batches of one layer (issue 22): (name, per request (context after the step, new tokens)).
-MIXED_CASES = (("burst 8 x 1k prefill", [(1024, 1024)] * 8),
+MIXED_CASES = (("decode 4 x 1k (a CUDA graph when served)", [(1024, 1)] * 4),
+               ("decode 32 x 4k (a CUDA graph when served)", [(4096, 1)] * 32),
+               ("burst 8 x 1k prefill", [(1024, 1024)] * 8),
                ("burst 2 x 4k prefill", [(4096, 4096)] * 2),
                ("15 decode 16k + 384 after a 16k hit", [(16000, 1)] * 15 + [(16384, 384)]),
                ("31 decode 1k + 256 prefill", [(1024, 1)] * 31 + [(256, 256)]))
+SERVED_MAX_MODEL_LEN = 99000  # tpot_sweep's and short_itl's server
 # Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config; the first is its H100
 # choice for head_dim 128).
 PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
@@ -477,8 +480,10 @@ def bench_mixed(fa, rows, out_json):
         one = torch.ones((), dtype=torch.float32, device=DEV)
         max_q, max_s = max(new), max(seq_lens)
 
+        bound = max_s if max_q > 1 else SERVED_MAX_MODEL_LEN  # decode batches size their splits for max_model_len
+
         def duo_layer():
-            duo_attention_triton(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, max_s,
+            duo_attention_triton(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
                                  retrieval_table=retrieval_table)
 
         def dense_layer():
@@ -498,14 +503,23 @@ def bench_mixed(fa, rows, out_json):
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         res["duo_retrieval_fa3_ms"] = device_ms(lambda: retrieval_flash_attention(
             fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s))
+        R = heads.num_retrieval
         if seq_lens == new:  # prompts from scratch: how fast FA3 takes the streaming heads' window (no sinks)
-            R = heads.num_retrieval
             res["fa3_streaming_window_ms"] = device_ms(lambda: fa(
                 query[:, R * heads.group_size:], key[:, R:], value[:, R:], max_seqlen_q=max_q, cu_seqlens_q=qsl,
                 max_seqlen_k=max_q, cu_seqlens_k=qsl, softmax_scale=SCALE, causal=True, window_size=(RECENT - 1, 0),
                 return_softmax_lse=True))
             rows.append((f"mixed {T}", f"{name}: FA3 window on the streaming heads (no sinks: a bound)",
                          res["fa3_streaming_window_ms"], float("nan")))
+        if max_q > 1:  # FlashAttention's host time on the retrieval heads: as duo calls it, and with q contiguous
+            for label, q in (("view", query[:, :R * heads.group_size]),
+                             ("contiguous", query[:, :R * heads.group_size].contiguous())):
+                res[f"fa3_retrieval_q_{label}_host_us"] = host_us(lambda q=q: fa(
+                    q, duo.cache[:, 0, :, :R], duo.cache[:, 1, :, :R], max_seqlen_q=max_q, cu_seqlens_q=qsl,
+                    max_seqlen_k=max_s, seqused_k=sl, softmax_scale=SCALE, causal=True, block_table=retrieval_table,
+                    out=fa_out[:, :R * heads.group_size]))
+                rows.append((f"mixed {T}", f"{name}: FA3 retrieval, q {label}, host us/call "
+                             f"{res[f'fa3_retrieval_q_{label}_host_us']:.0f}", float("nan"), float("nan")))
         res["duo_python"] = python_top(duo_layer)
         res["dense_python"] = python_top(dense_layer)
         for side in ("duo", "dense"):

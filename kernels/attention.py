@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
+from vllm_duo.kernels.cache_write import as_scale, check_attention, check_tokens, scale_tensors, write_kv
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits
 from vllm_duo.kernels.prefill import prefill_attention
 from vllm_duo.kernels.queries import retrieval_queries
@@ -23,9 +23,11 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """Write the batch's K/V into the duo cache, then attend: single-token requests by decode.py, the rest by
     prefill.py.
 
-    FlashAttention-3 (Hopper) takes the retrieval heads wherever it beats our Triton kernels on
-    them (benchmarks/results): every prefill, and decode over fp8 pages, which it reads at about
-    twice our decode kernel's rate (kernels_bench.py --fp8). Triton keeps the Λ-masked streaming heads.
+    FlashAttention-3 (Hopper) takes the retrieval heads wherever it runs, prefill and decode: it beats
+    our Triton kernels on them (benchmarks/results: prefill; fp8 decode at about twice our decode
+    kernel's rate; bf16 decode by 5% at 32 x 32k and by more at short contexts, where our split
+    kernel cannot fill the GPU). Triton keeps the Λ-masked streaming heads. The inputs are checked
+    once here, not per launch (mixed steps run outside CUDA graphs and pay every microsecond of host time).
     With max_query_len == 1 nothing syncs with the host: a decode batch is CUDA-graph capturable when
     max_num_splits is fixed (or max_seq_len is, e.g. to max_model_len).
 
@@ -51,9 +53,11 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         cache = stream_cache  # a layer without retrieval heads reads no pages of its own (its cache may be a stub)
     if max_num_splits is None:
         max_num_splits = decode_num_splits(seq_lens.shape[0], heads.num_retrieval, max_seq_len, cache.device)
-    write_kv(key, value, cache, heads, query_start_loc, seq_lens, block_table, stream_cache, quant)
+    check_tokens(cache, key, value)
+    check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
+    write_kv(key, value, cache, heads, query_start_loc, seq_lens, block_table, stream_cache, quant, checked=True)
     flash = flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
-    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn)
+    by_flash = flash is not None
     if by_flash and heads.num_retrieval:
         if retrieval_table is None:
             retrieval_table = block_table[:, ::heads.stride].contiguous()
@@ -63,10 +67,10 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if max_query_len > 1:  # with FlashAttention, every request's streaming heads; else the multi-token requests
         prefill_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
                           min_query_len=1 if by_flash else 2, streaming_only=by_flash, stream_cache=stream_cache,
-                          quant=quant)
+                          quant=quant, checked=True)
     if max_query_len == 1 or not by_flash:
         decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, max_num_splits,
-                         stream_cache=stream_cache, quant=quant, streaming_only=by_flash)
+                         stream_cache=stream_cache, quant=quant, streaming_only=by_flash, checked=True)
 
 
 # (query, cache) dtypes FlashAttention-3 takes: 16-bit, or fp8 e4m3 KV with queries quantized to it;
@@ -99,10 +103,10 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and
     `retrieval_table` lists each request's retrieval pages in token order. The retrieval heads' queries
-    and outputs are slices where the weights put them first (reorder.py), else gathered and scattered
-    back. On an fp8 cache the queries are quantized by the layer's q scale (one launch, queries.py) and
-    FlashAttention descales q, k and v, as vLLM's dense FLASH_ATTN backend does. `num_splits` 0 lets
-    FlashAttention choose its KV splits.
+    and outputs are slices where the weights put them first (reorder.py; FlashAttention writes its
+    slice of `output` in place), else gathered and scattered back. On an fp8 cache the queries are
+    quantized by the layer's q scale (one launch, queries.py) and FlashAttention descales q, k and v,
+    as vLLM's dense FLASH_ATTN backend does. `num_splits` 0 lets FlashAttention choose its KV splits.
     """
     R = heads.num_retrieval
     descales = {}
@@ -115,11 +119,14 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
                         v_descale=v_scale.expand(shape))
     else:
         q = retrieval_queries(query, heads)
+    into = output[:, :R * heads.group_size] if heads.retrieval_first and q.dtype == output.dtype else None
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
-                block_table=retrieval_table, num_splits=num_splits, **descales)
+                block_table=retrieval_table, num_splits=num_splits, out=into, **descales)
+    if into is not None:
+        return
     if heads.retrieval_first:
-        output[:, :heads.retrieval_q.numel()].copy_(out)
+        output[:, :R * heads.group_size].copy_(out)
     else:
         output[:, heads.retrieval_q] = out.to(output.dtype)

@@ -231,7 +231,7 @@ def check_attention(query: torch.Tensor, output: torch.Tensor, cache: torch.Tens
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-             stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None) -> None:
+             stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None, checked: bool = False) -> None:
     """Store every new token's K/V: retrieval heads in their pages, streaming heads in their page groups. One
     launch; run it before attention, which reads the cache alone.
 
@@ -243,11 +243,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
         stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1); its rounding is always to nearest even.
+        checked: the caller has validated these inputs (`duo_attention_triton`, once per layer call: the checks
+            cost host time that mixed steps, run outside CUDA graphs, pay per launch).
     """
     stream_cache = cache if stream_cache is None else stream_cache
-    check_tokens(cache, key, value)
-    check_stream_cache(cache, stream_cache)
-    check_batch(query_start_loc, seq_lens, block_table, cache.device)
+    if not checked:
+        check_tokens(cache, key, value)
+        check_stream_cache(cache, stream_cache)
+        check_batch(query_start_loc, seq_lens, block_table, cache.device)
     num_heads = heads.num_retrieval + heads.num_streaming
     num_tokens, num_reqs = key.shape[0], seq_lens.shape[0]
     if num_heads == 0 or num_tokens == 0 or num_reqs == 0:

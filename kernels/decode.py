@@ -11,6 +11,8 @@ groups and write their output directly. No host syncs and fixed grid shapes: CUD
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -129,6 +131,12 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_s
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    """The GPU's SM count (a property lookup costs host time on every layer call otherwise)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per retrieval head so that about 8 programs per SM stream the cache.
 
@@ -136,8 +144,7 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
     """
     if device.type != "cuda" or num_retrieval == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(8 * sms, max(num_reqs * num_retrieval, 1))
+    want = triton.cdiv(8 * _sm_count(device.index), max(num_reqs * num_retrieval, 1))
     # a power of two: MAX_SPLITS is a compile-time constant, so at most 7 variants ever compile
     return triton.next_power_of_2(max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), 64)))
 
@@ -145,7 +152,7 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
 def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                      max_num_splits: int, stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
-                     streaming_only: bool = False) -> None:
+                     streaming_only: bool = False, checked: bool = False) -> None:
     """Duo attention of every request with exactly one new token; other requests are left untouched.
 
     The batch's K/V must already be in the cache (`write_kv`).
@@ -160,8 +167,13 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
+        checked: the caller has validated these inputs (`write_kv`'s argument).
     """
-    stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
+    if not checked:
+        stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens,
+                                       block_table)
+    elif stream_cache is None:
+        stream_cache = cache
     num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
     if query.shape[0] == 0 or num_reqs == 0 or S + (0 if streaming_only else R) == 0:
         return

@@ -193,7 +193,7 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
 def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                       min_query_len: int = 1, streaming_only: bool = False, stream_cache: torch.Tensor | None = None,
-                      quant: KVQuant | None = None) -> None:
+                      quant: KVQuant | None = None, checked: bool = False) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
     The batch's K/V must already be in the cache (`write_kv`).
@@ -209,7 +209,11 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
     """
-    stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
+    if not checked:
+        stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens,
+                                       block_table)
+    elif stream_cache is None:
+        stream_cache = cache
     num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
     head_offset = heads.num_retrieval if streaming_only else 0
     num_heads = heads.num_retrieval + heads.num_streaming - head_offset
