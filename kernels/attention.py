@@ -23,11 +23,13 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """Write the batch's K/V into the duo cache, then attend: single-token requests by decode.py, the rest by
     prefill.py.
 
-    FlashAttention-3 (Hopper) takes the retrieval heads wherever it runs, prefill and decode: it beats
-    our Triton kernels on them (benchmarks/results: prefill; fp8 decode at about twice our decode
-    kernel's rate; bf16 decode by 5% at 32 x 32k and by more at short contexts, where our split
-    kernel cannot fill the GPU). Triton keeps the Λ-masked streaming heads. The inputs are checked
-    once here, not per launch (mixed steps run outside CUDA graphs and pay every microsecond of host time).
+    FlashAttention-3 (Hopper) takes the retrieval heads wherever it beats our Triton kernels on
+    them (benchmarks/results): every prefill, and decode over fp8 pages, which it reads at about
+    twice our decode kernel's rate (kernels_bench.py --fp8). Triton keeps the Λ-masked streaming
+    heads, and bf16 decode whole: FlashAttention on the retrieval heads, then the streaming heads,
+    measured 35 us per layer at 4 x 1k, the one Triton launch about 32 (2026-11-25-h100-host).
+    The inputs are checked once here, not per launch (mixed steps run outside CUDA graphs and pay
+    every microsecond of host time).
     With max_query_len == 1 nothing syncs with the host: a decode batch is CUDA-graph capturable when
     max_num_splits is fixed (or max_seq_len is, e.g. to max_model_len).
 
@@ -57,7 +59,7 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
     write_kv(key, value, cache, heads, query_start_loc, seq_lens, block_table, stream_cache, quant, checked=True)
     flash = flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
-    by_flash = flash is not None
+    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn)
     if by_flash and heads.num_retrieval:
         if retrieval_table is None:
             retrieval_table = block_table[:, ::heads.stride].contiguous()

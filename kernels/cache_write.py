@@ -261,8 +261,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         key, value, cache, stream_cache, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
         block_table, *scale_tensors(quant, cache),
         num_reqs, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset, stream_cache.shape[3],
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        block_table.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        stream_cache.stride(0), stream_cache.stride(1), stream_cache.stride(2), stream_cache.stride(3),
+        *key.stride()[:2], *value.stride()[:2], block_table.stride(0), *cache.stride()[:4], *stream_cache.stride()[:4],
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), num_warps=4)

@@ -229,8 +229,7 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         block_table, *scale_tensors(quant, cache), scale * LOG2E,
         num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset,
         stream_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
-        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        stream_cache.stride(0), stream_cache.stride(1), stream_cache.stride(2), stream_cache.stride(3),
+        *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
+        *stream_cache.stride()[:4],
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), **cfg)

@@ -58,3 +58,30 @@ def test_staggered_batch_with_aborts_equals_solo_runs(engine, smollm2_dir):
     for i, tokens in completed.items():
         assert tokens == greedy(engine, [prompts[i]], SCHEDULE[i][2])[0], f"request {i}"
     assert held_blocks(engine) == 0
+
+
+def test_one_metadata_build_per_step(engine, smollm2_dir, monkeypatch):
+    """Duo's layers form several attention groups (their page widths differ); vLLM asks each group's builder with
+    the same CommonAttentionMetadata in a step, and only the first build does the work."""
+    from transformers import AutoTokenizer
+
+    from vllm_duo.backend import DuoAttentionMetadataBuilder
+
+    asked, built = [], []
+    build, do_build = DuoAttentionMetadataBuilder.build, DuoAttentionMetadataBuilder._build
+
+    def counting_build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        asked.append(common_attn_metadata)
+        return build(self, common_prefix_len, common_attn_metadata, fast_build)
+
+    def counting_do_build(self, cam):
+        built.append(cam)
+        return do_build(self, cam)
+
+    monkeypatch.setattr(DuoAttentionMetadataBuilder, "build", counting_build)
+    monkeypatch.setattr(DuoAttentionMetadataBuilder, "_build", counting_do_build)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    greedy(engine, [text_of_tokens(tokenizer, 200, seed=0), text_of_tokens(tokenizer, 90, seed=1)], 4)
+    steps = {id(cam) for cam in asked}
+    assert len(asked) > len(steps) > 1  # several attention groups asked per step
+    assert len(built) == len(steps)
