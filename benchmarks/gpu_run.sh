@@ -88,6 +88,7 @@ for stage in "$@"; do
         --only ${ONLY:?set ONLY=dense or duo} ;;
     # issue 22: short requests, 32 at once at 1k and 4k tokens (tpot_sweep has them 4 at once), one backend per call
     short_itl) bench short --workloads short_itl --only ${ONLY:?set ONLY} ;;
+    tpot_short) bench tpot-short --workloads tpot_sweep --set tpot_sweep.input_lens=1024,4096 ;;  # 4 at once, both
     # issue 19: prefix caching on both sides, bf16 and fp8 (ONLY=dense or duo: one backend per call)
     prefix_docs) bench prefix --workloads shared_docs --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
     prefix_chat) bench prefix --workloads chat_turns repeat_32k --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
