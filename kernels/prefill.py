@@ -208,6 +208,7 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
         stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
+        checked: the caller has validated these inputs (`write_kv`'s argument).
     """
     if not checked:
         stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens,
