@@ -131,13 +131,13 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     printed = capsys.readouterr().out
     commands = [line for line in printed.splitlines() if not line.startswith("#")]
     # capacity 3 + (decode, prefill, short) 2 each + tpot 4 + ttft 2 + serve 2 x (server + 2 rates)
-    # + tpot_sweep 2 x (server + 5 prompt lengths) + short_itl 2 x (server + 2 prompt lengths) + shared_docs
-    # 2 x (server + 2 rates) + chat_turns and repeat_32k 2 x (server + 1 client) each
-    assert len(commands) == 3 + 6 + 4 + 2 + 6 + 12 + 6 + 6 + 4 + 4
+    # + tpot_sweep 2 x (server + 5 prompt lengths) + short_itl 2 x (server + 2 prompt lengths x 3 runs)
+    # + shared_docs 2 x (server + 2 rates) + chat_turns and repeat_32k 2 x (server + 1 client) each
+    assert len(commands) == 3 + 6 + 4 + 2 + 6 + 12 + 14 + 6 + 4 + 4
     assert not (tmp_path / "dry").exists()
     assert sum("bench throughput" in c for c in commands) == 9
     assert sum("bench latency" in c for c in commands) == 6
-    assert sum("bench serve" in c for c in commands) == 4 + 10 + 4 + 4 + 2
+    assert sum("bench serve" in c for c in commands) == 4 + 10 + 12 + 4 + 2
     assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2 + 2 + 2 + 6
     duo_config = '{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
     # capacity, throughput x3, tpot x2, ttft, the six servers
@@ -155,7 +155,10 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
                                                                                    "98304"]
     assert all("--max-concurrency 4" in c and "--num-prompts 4" in c for c in sweep)
     short = [c for c in commands if "short_itl__" in c and "bench serve" in c]
-    assert len(short) == 4 and all("--max-concurrency 32" in c and "--num-prompts 32" in c for c in short)
+    assert len(short) == 12 and all("--max-concurrency 32" in c and "--num-prompts 32" in c for c in short)
+    # each run of a repeated point has its own files and its own prompts (seed)
+    assert len({c.split("--result-filename ")[1].split()[0] for c in short}) == 12
+    assert len({c.split("--seed ")[1].split()[0] for c in short[:6]}) == 6
     ttft = next(c for c in commands if "ttft_128k__duo" in c)
     for flag in ("--input-len 131000", "--output-len 1", "--batch-size 1", "--max-model-len 131072",
                  "--load-format dummy", "--tokenizer /models/smol"):
@@ -234,6 +237,19 @@ def test_engine_timeline_keeps_the_stats_lines_of_one_client():
     assert [(s.seconds, s.running, s.waiting, s.kv_usage_pct) for s in samples] == [
         (53.0, 10, 0, 34.8), (63.0, 28, 10, 98.1), (73.0, 27, 0, 94.8)]
     assert samples[0].prompt_tok_s == 16000.0 and samples[0].generation_tok_s == 500.0
+
+
+def test_repeated_serve_points_are_numbered_runs():
+    from vllm_duo.tools.bench.run_index import rate_and_run
+
+    short = workloads.WORKLOADS["short_itl"]
+    assert short.serve_points()[:4] == [(1024, float("inf"), 0), (1024, float("inf"), 1), (1024, float("inf"), 2),
+                                        (4096, float("inf"), 0)]
+    assert short.serve_phase(4096, float("inf"), 1) == "in=4096 rate=inf run=2"
+    assert rate_and_run({"phase": "in=4096 rate=inf run=2"}) == "inf (2)"
+    once = workloads.apply_overrides([short], [], ["short_itl.repeats=1"])[0]
+    assert once.serve_phase(1024, float("inf")) == "in=1024 rate=inf" and len(once.serve_points()) == 2
+    assert rate_and_run({"phase": "in=1024 rate=inf"}) == "inf" and rate_and_run({"phase": "rate=2"}) == "2"
 
 
 def test_workload_overrides():

@@ -4,7 +4,7 @@ sparsity, and a serve run's queue over time."""
 
 from __future__ import annotations
 
-from vllm_duo.tools.bench.run_index import RunIndex, metric, ok, request_rate, tpot_ms
+from vllm_duo.tools.bench.run_index import RunIndex, metric, ok, rate_and_run, request_rate, tpot_ms
 from vllm_duo.tools.bench.workloads import kv_suffix
 
 
@@ -135,7 +135,7 @@ def _plot_engine_load(index: RunIndex, ax) -> str | None:
             if not busy:
                 continue
             xs = [s.seconds - busy[0].seconds for s in busy]
-            label = f"{run['backend']}, {workload} at {request_rate(run)} req/s"
+            label = f"{run['backend']}, {workload} at {rate_and_run(run)} req/s"
             line = ax.plot(xs, [s.running for s in busy], marker="o", markersize=3, label=f"{label}: running")[0]
             ax.plot(xs, [s.waiting for s in busy], linestyle="--", color=line.get_color(),
                     label=f"{run['backend']}: waiting")

@@ -11,8 +11,14 @@ from vllm_duo.tools.bench.workloads import is_baseline, kv_suffix
 
 
 def request_rate(run: dict) -> str:
-    """A serve run's request rate: recorded, or the last `rate=` of its phase ("rate=2", "in=1024 rate=inf")."""
-    return run.get("request_rate") or run["phase"].rsplit("=", 1)[1]
+    """A serve run's request rate: recorded, or the `rate=` of its phase ("rate=2", "in=1024 rate=inf run=1")."""
+    return run.get("request_rate") or next(part for part in run["phase"].split() if part.startswith("rate="))[5:]
+
+
+def rate_and_run(run: dict) -> str:
+    """A serve run's rate, and its number where the point was repeated: "inf (2)" for "in=1024 rate=inf run=2"."""
+    last = run["phase"].rsplit(" ", 1)[-1]
+    return f"{request_rate(run)} ({last[4:]})" if last.startswith("run=") else request_rate(run)
 
 
 def ok(run: dict | None) -> bool:

@@ -74,9 +74,9 @@ def _file_part(phase: str) -> str:
 
 
 def _client_files(settings: Settings, workload: Workload, variant: Variant, input_len: int,
-                  rate: float) -> tuple[str, Path, Path]:
+                  rate: float, run: int) -> tuple[str, Path, Path]:
     """A serve client's phase, and the paths of its vLLM JSON and its log."""
-    phase = workload.serve_phase(input_len, rate)
+    phase = workload.serve_phase(input_len, rate, run)
     stem = f"{workload.name}__{variant.slug}__{_file_part(phase)}"
     return phase, settings.out / "json" / f"{stem}.json", settings.out / "logs" / f"{stem}.log"
 
@@ -91,8 +91,8 @@ def run_served(results: Results, workload: Workload, variant: Variant, progress)
     server_log = out / "logs" / f"{workload.name}__{variant.slug}__server.log"
     if settings.dry_run:
         print(shlex.join(server_cmd) + " &")
-        for seed, (input_len, rate) in enumerate(workload.serve_points()):
-            _, json_path, _ = _client_files(settings, workload, variant, input_len, rate)
+        for seed, (input_len, rate, run) in enumerate(workload.serve_points()):
+            _, json_path, _ = _client_files(settings, workload, variant, input_len, rate, run)
             print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)))
         return
     server_log.parent.mkdir(parents=True, exist_ok=True)
@@ -104,18 +104,20 @@ def run_served(results: Results, workload: Workload, variant: Variant, progress)
         try:
             not_ready = wait_healthy(port, server, settings.timeout)
             startup_s = round(time.monotonic() - start, 1)
-            for seed, (input_len, rate) in enumerate(workload.serve_points()):
-                _run_client(results, workload, variant, input_len, rate, seed, port, server_cmd, server_log,
+            for seed, (input_len, rate, run) in enumerate(workload.serve_points()):
+                _run_client(results, workload, variant, (input_len, rate, run), seed, port, server_cmd, server_log,
                             startup_s, not_ready, progress)
         finally:
             stop(server)
 
 
-def _run_client(results: Results, workload: Workload, variant: Variant, input_len: int, rate: float, seed: int,
-                port: int, server_cmd: list[str], server_log: Path, startup_s: float, not_ready: str | None, progress) -> None:
+def _run_client(results: Results, workload: Workload, variant: Variant, point: tuple[int, float, int], seed: int,
+                port: int, server_cmd: list[str], server_log: Path, startup_s: float, not_ready: str | None,
+                progress) -> None:
     settings = results.settings
     out = settings.out
-    phase, json_path, log_path = _client_files(settings, workload, variant, input_len, rate)
+    input_len, rate, run = point
+    phase, json_path, log_path = _client_files(settings, workload, variant, input_len, rate, run)
     cmd = client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)
     progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
     record = results.new_record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)),

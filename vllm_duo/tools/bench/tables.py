@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from vllm_duo.tools.bench.run_index import RunIndex, metric, ok, request_rate
+from vllm_duo.tools.bench.run_index import RunIndex, metric, ok, rate_and_run
 from vllm_duo.tools.bench.workloads import is_baseline, kv_suffix
 
 
@@ -110,9 +110,9 @@ def latency_table(index: RunIndex, workload: str) -> list[str]:
 
 
 def serve_table(index: RunIndex, workload: str) -> list[str]:
-    head = ("| backend | input tokens | rate req/s | output tok/s | p99 TTFT ms | median TTFT ms | mean TPOT ms "
-            "| p99 TPOT ms | median ITL ms | done/failed | prefix cache hits | duo/dense output tok/s | duo/dense p99 TTFT "
-            "| duo/dense median ITL | KV cache tokens | max concurrency |")
+    head = ("| backend | input tokens | rate req/s (run) | output tok/s | p99 TTFT ms | median TTFT ms "
+            "| mean TPOT ms | p99 TPOT ms | median ITL ms | done/failed | prefix cache hits | duo/dense output tok/s "
+            "| duo/dense p99 TTFT | duo/dense median ITL | KV cache tokens | max concurrency |")
     lines = [head, _separator(head)]
     phases = list(dict.fromkeys(r["phase"] for r in index.of(workload)))
     for phase in phases:
@@ -127,7 +127,7 @@ def serve_table(index: RunIndex, workload: str) -> list[str]:
             ratios = [fmt(_ratio(value, metric(dense, key)) if other else None, 2, "x")
                       for value, key in ((out_tok, "output_tok_s"), (ttft, "p99_ttft_ms"), (itl, "median_itl_ms"))]
             lines.append(
-                f"| {backend} | {run['input_len']:,} | {request_rate(run)} "
+                f"| {backend} | {run['input_len']:,} | {rate_and_run(run)} "
                 f"| {_value_or_status(run, out_tok)} | {fmt(ttft, 0)} "
                 f"| {fmt(metric(run, 'median_ttft_ms'), 0)} | {fmt(metric(run, 'mean_tpot_ms'), 1)} "
                 f"| {fmt(metric(run, 'p99_tpot_ms'), 1)} | {fmt(itl, 1)} | {done} "
@@ -150,7 +150,7 @@ def turns_table(index: RunIndex, workload: str) -> list[str]:
 
 def engine_load_table(index: RunIndex, workload: str) -> list[str]:
     """The profile of a serve run: the server's 10-second stats lines, summed up per backend and rate."""
-    head = ("| backend | rate req/s | busy s | peak running | peak waiting | s with requests waiting "
+    head = ("| backend | rate req/s (run) | busy s | peak running | peak waiting | s with requests waiting "
             "| peak KV usage | prompt tok/s while busy | generation tok/s while busy |")
     lines = [head, _separator(head)]
     served = (index.find(workload, backend, phase) for phase in dict.fromkeys(r["phase"] for r in index.of(workload))
@@ -159,7 +159,7 @@ def engine_load_table(index: RunIndex, workload: str) -> list[str]:
         busy = index.busy_engine_samples(run)
         if not busy:
             continue
-        lines.append(f"| {run['backend']} | {request_rate(run)} | {10 * len(busy)} "
+        lines.append(f"| {run['backend']} | {rate_and_run(run)} | {10 * len(busy)} "
                      f"| {max(s.running for s in busy)} | {max(s.waiting for s in busy)} "
                      f"| {10 * sum(s.waiting > 0 for s in busy)} | {max(s.kv_usage_pct for s in busy):.1f}% "
                      f"| {fmt(sum(s.prompt_tok_s for s in busy) / len(busy), 0)} "

@@ -30,6 +30,7 @@ class Workload:
     request_rates: tuple[float, ...] = ()  # serve
     input_lens: tuple[int, ...] = ()  # serve: one client per prompt length, all against one server (else input_len)
     max_concurrency: int = 0  # serve: requests in flight at most (bench serve --max-concurrency); 0: no limit
+    repeats: int = 1  # serve: clients per (prompt length, rate), one after the other: the spread between runs
     engine_args: tuple[str, ...] = ()  # added to every engine of this workload, dense and duo alike
     dataset: str = "random"  # serve: "random" prompts, shared "documents", or multi-turn "chat" (below)
     question_len: int = 0  # documents, chat: tokens of each question after the input_len-token document
@@ -45,13 +46,16 @@ class Workload:
                       "input_lens": tuple(spec.get("input_lens", ())),
                       "engine_args": tuple(spec.get("engine_args", ()))})
 
-    def serve_points(self) -> list[tuple[int, float]]:
-        """(prompt length, request rate) of each `bench serve` client, all against one server of this workload."""
-        return [(n, rate) for rate in self.request_rates for n in self.input_lens or (self.input_len,)]
+    def serve_points(self) -> list[tuple[int, float, int]]:
+        """(prompt length, request rate, run) of each `bench serve` client, all against one server of this
+        workload."""
+        return [(n, rate, run) for rate in self.request_rates for n in self.input_lens or (self.input_len,)
+                for run in range(self.repeats)]
 
-    def serve_phase(self, input_len: int, rate: float) -> str:
+    def serve_phase(self, input_len: int, rate: float, run: int = 0) -> str:
         phase = f"rate={rate_text(rate)}"
-        return f"in={input_len} {phase}" if self.input_lens else phase
+        phase = f"in={input_len} {phase}" if self.input_lens else phase
+        return f"{phase} run={run + 1}" if self.repeats > 1 else phase
 
     def describe(self) -> str:
         if self.kind == "latency":
@@ -115,7 +119,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                       "requests at once (the steps where all 4 decode), 1k to 96k (4 x 128k would not fit dense's "
                       "KV cache on an H100)"),
     Workload("short_itl", "serve", 99000, 1024, 256, num_prompts=32, max_concurrency=32,
-             request_rates=(float("inf"),), input_lens=(1024, 4096),
+             request_rates=(float("inf"),), input_lens=(1024, 4096), repeats=3,
              measures="short requests, where most deployments live: median inter-token latency and TTFT of 32 "
                       "requests at once at 1k and 4k tokens (tpot_sweep has them 4 at a time), on the server "
                       "tpot_sweep uses (max_model_len 99,000): duo must not be slower than dense here"),
