@@ -13,7 +13,9 @@ One in-process vLLM engine per run (`--backend dense` or `duo`), CUDA graphs and
 It prints and writes (`--out`, JSON) the median wall time of each kind of step (`engine.step()`: schedule, model,
 sampling, outputs), the torch profiler's top CUDA kernels and CPU ops over P steps of each kind, per step, and
 cProfile's top Python functions over another P (the Python under a custom op, Triton's launcher included).
-Kernels inside a full CUDA graph show as one graph launch. Run once per backend on the same machine:
+Kernels inside a full CUDA graph show as one graph launch. The wall times do not include the GPU finishing a step
+(`engine.step()` returns before; the next step's start waits for it, untimed): compare device times and counts.
+Run once per backend on the same machine:
 
     python benchmarks/profile_steps.py --backend dense --model /tmp/llama8b --tokenizer /tmp/smol --load-format dummy
     python benchmarks/profile_steps.py --backend duo ... --pattern Meta-Llama-3.1-8B-Instruct --sparsity 0.5
