@@ -218,9 +218,12 @@ def check_stream_cache(cache: torch.Tensor, stream_cache: torch.Tensor) -> None:
 
 def check_attention(query: torch.Tensor, output: torch.Tensor, cache: torch.Tensor,
                     stream_cache: torch.Tensor | None, heads: LayerHeads, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Check an attention call's inputs (prefill.py, decode.py); returns the stream cache (`cache` when None)."""
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, checked: bool = False) -> torch.Tensor:
+    """Check an attention call's inputs (prefill.py, decode.py), unless the caller has (`checked`); returns the
+    stream cache (`cache` when None)."""
     stream_cache = cache if stream_cache is None else stream_cache
+    if checked:
+        return stream_cache
     check_tokens(cache, query, output)
     check_stream_cache(cache, stream_cache)
     check_batch(query_start_loc, seq_lens, block_table, cache.device)

@@ -169,11 +169,8 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
         checked: the caller has validated these inputs (`write_kv`'s argument).
     """
-    if not checked:
-        stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens,
-                                       block_table)
-    elif stream_cache is None:
-        stream_cache = cache
+    stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table,
+                                   checked)
     num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
     if query.shape[0] == 0 or num_reqs == 0 or S + (0 if streaming_only else R) == 0:
         return

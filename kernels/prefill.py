@@ -210,11 +210,8 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         quant: the k/v scales of an fp8 cache (default 1).
         checked: the caller has validated these inputs (`write_kv`'s argument).
     """
-    if not checked:
-        stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens,
-                                       block_table)
-    elif stream_cache is None:
-        stream_cache = cache
+    stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table,
+                                   checked)
     num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
     head_offset = heads.num_retrieval if streaming_only else 0
     num_heads = heads.num_retrieval + heads.num_streaming - head_offset
