@@ -246,10 +246,11 @@ def test_repeated_serve_points_are_numbered_runs():
     assert short.serve_points()[:4] == [(1024, float("inf"), 0), (1024, float("inf"), 1), (1024, float("inf"), 2),
                                         (4096, float("inf"), 0)]
     assert short.serve_phase(4096, float("inf"), 1) == "in=4096 rate=inf run=2"
-    assert rate_and_run({"phase": "in=4096 rate=inf run=2"}) == "inf (2)"
+    assert rate_and_run({"phase": "in=4096 rate=inf run=2", "request_rate": "inf", "repeat": 2}) == "inf (2)"
     once = workloads.apply_overrides([short], [], ["short_itl.repeats=1"])[0]
     assert once.serve_phase(1024, float("inf")) == "in=1024 rate=inf" and len(once.serve_points()) == 2
-    assert rate_and_run({"phase": "in=1024 rate=inf"}) == "inf" and rate_and_run({"phase": "rate=2"}) == "2"
+    assert rate_and_run({"phase": "in=1024 rate=inf", "request_rate": "inf", "repeat": None}) == "inf"
+    assert rate_and_run({"phase": "rate=2"}) == "2"  # a record from before repeats (and request_rate) were recorded
 
 
 def test_workload_overrides():

@@ -16,9 +16,8 @@ def request_rate(run: dict) -> str:
 
 
 def rate_and_run(run: dict) -> str:
-    """A serve run's rate, and its number where the point was repeated: "inf (2)" for "in=1024 rate=inf run=2"."""
-    last = run["phase"].rsplit(" ", 1)[-1]
-    return f"{request_rate(run)} ({last[4:]})" if last.startswith("run=") else request_rate(run)
+    """A serve run's rate, and its number where the point was repeated ("inf (2)"): recorded, as the rate is."""
+    return f"{request_rate(run)} ({run['repeat']})" if run.get("repeat") else request_rate(run)
 
 
 def ok(run: dict | None) -> bool:

@@ -123,6 +123,7 @@ def _run_client(results: Results, workload: Workload, variant: Variant, point: t
     record = results.new_record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)),
                                 server_log=str(server_log.relative_to(out)), server_command=shlex.join(server_cmd),
                                 server_startup_s=startup_s, request_rate=rate_text(rate), input_len=input_len,
+                                repeat=run + 1 if workload.repeats > 1 else None,
                                 client_concurrency=workload.max_concurrency or None, started_at=now())
     if not_ready:
         log = read_log(server_log)
