@@ -21,6 +21,8 @@ path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
 mixed (`--mixed`, issue 22): one layer over the mixed batches vLLM runs eagerly between piecewise CUDA graphs
 (prefill bursts of 1k and 4k prompts, decodes beside a chunk), duo against dense's cache write + FA3: device time,
 the host time to issue a call, cProfile's split of it, and the streaming heads' prefill over several tile shapes.
+Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
+streaming heads in one program each as before they were split.
 
 Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed]   (results: $OUT/kernels_bench.json,
 or benchmarks/results/ without $OUT).
@@ -432,12 +434,16 @@ def python_top(fn, calls: int = 50, top: int = 10) -> list[dict]:
 
 # Mixed batches of one layer (issue 22): (name, per request (context after the step, new tokens)).
 MIXED_CASES = (("decode 4 x 1k (a CUDA graph when served)", [(1024, 1)] * 4),
+               ("decode 32 x 1k (a CUDA graph when served)", [(1024, 1)] * 32),
+               ("decode 4 x 4k (a CUDA graph when served)", [(4096, 1)] * 4),
                ("decode 32 x 4k (a CUDA graph when served)", [(4096, 1)] * 32),
+               ("decode 4 x 64k (a CUDA graph when served)", [(65536, 1)] * 4),
                ("burst 8 x 1k prefill", [(1024, 1024)] * 8),
                ("burst 2 x 4k prefill", [(4096, 4096)] * 2),
                ("15 decode 16k + 384 after a 16k hit", [(16000, 1)] * 15 + [(16384, 384)]),
                ("31 decode 1k + 256 prefill", [(1024, 1)] * 31 + [(256, 256)]))
 SERVED_MAX_MODEL_LEN = 99000  # tpot_sweep's and short_itl's server
+DECODE_MIN_SPLITS = (64, 128, 256)  # kernels/decode.py's shortest split: MIN_SPLIT_TOKENS and shorter ones
 # Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config; the first is its H100
 # choice for head_dim 128).
 PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
@@ -449,6 +455,31 @@ PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
                    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                    dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
                    dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2))
+
+
+def bench_decode_splits(query, duo: DuoLayout, qsl, sl, out, name: str, T: int, rows) -> list[dict]:
+    """One layer's decode attention (cache already written) at each shortest split of DECODE_MIN_SPLITS: all heads,
+    each kind alone, and the streaming heads in one program each (the kernel before their splits); the error
+    against the default split."""
+    splits = decode_num_splits(qsl.shape[0] - 1, duo.heads.num_retrieval, SERVED_MAX_MODEL_LEN, DEV)
+    decode_attention(query, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out, splits)
+    reference = out.clone()
+    one_program = device_ms(lambda: decode_attention(query, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out, 1,
+                                                     streaming_only=True))
+    rows.append((f"mixed {T}", f"{name}: streaming heads, one program each", one_program, float("nan")))
+    results = [dict(splits=splits, streaming_one_program_ms=one_program)]
+    for min_split in DECODE_MIN_SPLITS:
+        res = dict(min_split=min_split)
+        for label, heads in (("all", duo.heads), ("retrieval", duo.with_only("retrieval")),
+                             ("streaming", duo.with_only("streaming"))):
+            res[f"{label}_ms"] = device_ms(lambda h=heads: decode_attention(
+                query, duo.cache, h, qsl, sl, duo.table, SCALE, out, splits, min_split=min_split))
+            rows.append((f"mixed {T}", f"{name}: decode {label} heads, split >= {min_split}", res[f"{label}_ms"],
+                         float("nan")))
+        decode_attention(query, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out, splits, min_split=min_split)
+        res["rel_err_vs_default"] = rel_err(out, reference)
+        results.append(res)
+    return results
 
 
 def bench_mixed(fa, rows, out_json):
@@ -527,13 +558,8 @@ def bench_mixed(fa, rows, out_json):
                 rows.append((f"mixed {T}", f"{name}: FA3 retrieval, {label}, host us/call "
                              f"{res['fa3_retrieval_host_us'][label]:.0f}", float("nan"), float("nan")))
             del variants
-        else:  # decode: which kind of head is the longer chain in duo's one Triton launch
-            splits = decode_num_splits(len(batch), R, SERVED_MAX_MODEL_LEN, DEV)
-            for kind in ("streaming", "retrieval"):
-                res[f"duo_decode_{kind}_only_ms"] = device_ms(lambda h=duo.with_only(kind): decode_attention(
-                    query, duo.cache, h, qsl, sl, duo.table, SCALE, out, splits))
-                rows.append((f"mixed {T}", f"{name}: duo decode, {kind} heads only", res[f"duo_decode_{kind}_only_ms"],
-                             float("nan")))
+        else:  # decode: the launch lasts as long as its longest chain of tiles; which is it, and do shorter splits help
+            res["duo_decode"] = bench_decode_splits(query, duo, qsl, sl, out, name, T, rows)
         res["duo_python"] = python_top(duo_layer)
         res["dense_python"] = python_top(dense_layer)
         for side in ("duo", "dense"):

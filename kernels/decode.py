@@ -1,12 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton split-head duo decoding: paged retrieval heads split flash-decoding style, streaming heads over their
-sink and window.
+sink and window in splits of the same length.
 
-One launch covers a layer: the grid is (request, R x max_num_splits + S). A program serves
-the G query heads of one KV head, so each K/V byte is read once. Retrieval programs take an
-equal share of the context (split length computed on the device from seq_len) and a second
-kernel merges the shares; streaming programs read at most sink + recent positions from their page
-groups and write their output directly. No host syncs and fixed grid shapes: CUDA-graph capturable.
+One launch covers a layer: the grid is (request, R x MAX_SPLITS + S x STREAM_SPLITS). A program serves
+the G query heads of one KV head, so each K/V byte is read once. At small batches the GPU is mostly
+idle and the launch takes as long as its longest program's chain of dependent tiles, so no program
+reads more than one split length of keys (computed on the device from seq_len, at least MIN_SPLIT):
+
+    seq_len 1000, split length 256, sink 64, recent 256
+    retrieval head:  split 0 [0, 256)  split 1 [256, 512)  split 2 [512, 768)  split 3 [768, 1000)
+    streaming head:  split 0 the sinks [0, 64)  split 1 the window [744, 1000)  (split k: its (k-1)-th chunk)
+
+A second kernel merges each head's split results by their log-sum-exp. No host syncs and fixed grid
+shapes: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, load_scales, scale_tensors
-from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, streaming_tiles
+from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, streaming_kv
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes and merge outweigh the parallelism
@@ -28,6 +34,31 @@ MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes a
 def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     """Tokens per split of one request: seq_len / MAX_SPLITS in whole tiles, at least MIN_SPLIT."""
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+
+
+@triton.jit
+def _stream_split(split, seq_len, sink, recent, split_len):
+    """Key positions [lo, hi) of a streaming head's split (`split` a scalar or a vector): split 0 the sinks, split k
+    the (k-1)-th chunk of the window, the last `recent` positions above the sinks. Empty where hi <= lo."""
+    window = tl.maximum(sink, seq_len - recent)
+    lo = tl.where(split == 0, 0, window + (split - 1) * split_len)
+    hi = tl.where(split == 0, tl.minimum(sink, seq_len), tl.minimum(lo + split_len, seq_len))
+    return lo, hi
+
+
+@triton.jit
+def _streaming_range(q, m_i, l_i, acc, lo, hi, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
+                     stride, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Attend the new token to streaming head `head`'s keys [lo, hi), all of which it sees."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads, stride,
+                            stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+        m_i, l_i, acc = softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, True)
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "stride", "stream_offset", "page_heads", "sink",
@@ -41,10 +72,13 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
                    stride_sh: tl.int64,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                   MIN_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr):
-    """Grid (num_reqs, R * MAX_SPLITS + S - first_program); requests whose query length is not 1 exit at once.
+                   STREAM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, FP8: tl.constexpr,
+                   FP16: tl.constexpr):
+    """Grid (num_reqs, R * MAX_SPLITS + S * STREAM_SPLITS - first_program); requests whose query length is not 1 exit
+    at once.
 
     Programs before `first_program` are not launched: R * MAX_SPLITS of them leaves the streaming heads only.
+    A head split more than once writes its splits' results to part_out/part_lse for the merge.
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output
     (split results too: the merge is linear) the v scale.
     """
@@ -59,13 +93,21 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
         split = pid % MAX_SPLITS
         kv_head = tl.load(retrieval_kv_ptr + head)
     else:
-        head = pid - num_retrieval * MAX_SPLITS + num_retrieval
-        split = 0
+        head = (pid - num_retrieval * MAX_SPLITS) // STREAM_SPLITS + num_retrieval
+        split = (pid - num_retrieval * MAX_SPLITS) % STREAM_SPLITS
         kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
     split_len = _split_len(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
-    lo = split * split_len
-    if lo >= seq_len:
-        return
+    if head < num_retrieval:
+        lo = split * split_len
+        hi = tl.minimum(seq_len, lo + split_len)
+    elif STREAM_SPLITS > 1:
+        lo, hi = _stream_split(split, seq_len, sink, recent, split_len)
+    else:  # one program: the sinks (read below), then the window [lo, hi)
+        lo = tl.maximum(sink, seq_len - recent)
+        hi = seq_len
+    if (head < num_retrieval) | (STREAM_SPLITS > 1):
+        if lo >= hi:  # a split past the context, or an empty sink or window split
+            return
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -75,7 +117,6 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
                 mask=mask, other=0.0)
     if FP16:  # K/V tiles follow q's dtype
         q = q.to(tl.float16)
-    q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
     k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, FP8)
     qk_scale = qk_scale * k_scale
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -83,50 +124,64 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_table_ptr + req * stride_table
     if head < num_retrieval:
-        m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, tl.minimum(seq_len, lo + split_len), seq_len - 1,
-                                        cache_ptr, table_row, stride, head, qk_scale,
-                                        stride_cb, stride_ckv, stride_cr, stride_ch,
+        q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
+        m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, seq_len - 1, cache_ptr, table_row, stride,
+                                        head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     else:
-        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, seq_len - 1, seq_len - 1, stream_ptr, table_row,
-                                        head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
-                                        recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+        if STREAM_SPLITS == 1:  # one program reads the sinks, then the window
+            m_i, l_i, acc = _streaming_range(q, m_i, l_i, acc, 0, tl.minimum(sink, seq_len), stream_ptr, table_row,
+                                             head - num_retrieval, num_streaming, stream_offset, page_heads, stride,
+                                             qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                                             HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+        m_i, l_i, acc = _streaming_range(q, m_i, l_i, acc, lo, hi, stream_ptr, table_row, head - num_retrieval,
+                                         num_streaming, stream_offset, page_heads, stride, qk_scale,
+                                         stride_sb, stride_skv, stride_sr, stride_sh,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     out = acc / l_i[:, None] * v_scale
-    if MAX_SPLITS > 1:
-        if head < num_retrieval:
-            # part_out [num_reqs, R * G, MAX_SPLITS, HEAD_DIM], part_lse [num_reqs, R * G, MAX_SPLITS]
-            part = (req * num_retrieval * G + head * G + offs_g) * MAX_SPLITS + split
-            tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
-            tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < G)
-            return
+    if tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS) > 1:
+        # part_out [num_reqs, (R + S) * G, NUM_PARTS, HEAD_DIM], part_lse [num_reqs, (R + S) * G, NUM_PARTS]
+        part = ((req * (num_retrieval + num_streaming) + head) * G + offs_g) * NUM_PARTS + split
+        tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < G)
+        return
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_retrieval"])
-def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_start_loc_ptr, seq_lens_ptr,
-                  num_retrieval, stride_ot: tl.int64, stride_oh: tl.int64,
+@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "sink", "recent", "first_head"])
+def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr,
+                  seq_lens_ptr, num_retrieval, num_streaming, sink, recent, first_head,
+                  stride_ot: tl.int64, stride_oh: tl.int64,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Grid (num_reqs, R * G): combine one query head's split results by their log-sum-exp."""
+                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
+    combine one query head's split results by their log-sum-exp."""
     req = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) + first_head * G
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    num_splits = tl.cdiv(seq_len, _split_len(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT))
+    split_len = _split_len(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    part = (req * num_retrieval * G + h) * MAX_SPLITS + offs_s
+    head = h // G
+    if head < num_retrieval:
+        s_ok = offs_s * split_len < seq_len
+        kv_head = tl.load(retrieval_kv_ptr + head)
+    else:
+        lo, hi = _stream_split(offs_s, seq_len, sink, recent, split_len)
+        s_ok = lo < hi
+        kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
+    s_ok = s_ok & (offs_s < NUM_PARTS)
+    part = (req * (num_retrieval + num_streaming) * G + h) * NUM_PARTS + offs_s
     lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
     parts = tl.load(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    q_head = tl.load(retrieval_kv_ptr + h // G) * G + h % G
+    q_head = kv_head * G + h % G
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -137,12 +192,24 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def decode_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(keys per tile, shortest split, pipeline stages) of the decode kernel.
+
+    Tiles are a multiple of the 16-token block: 64 keys, 32 for head_dim 256 (64 spills registers at
+    4 warps). The CPU interpreter takes 16 and one-tile splits, so that tests cross tiles and splits.
+    """
+    if device.type != "cuda":
+        return 16, 16, 1
+    return (64 if head_dim <= 128 else 32), MIN_SPLIT_TOKENS, 3
+
+
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per retrieval head so that about 8 programs per SM stream the cache.
+    """Splits per retrieval head so that about 8 programs per SM stream the cache (the split length this sets
+    also cuts the streaming heads' windows, in layers without retrieval heads too).
 
     Depends only on host ints, so a captured graph can fix it (pass max_model_len as max_seq_len).
     """
-    if device.type != "cuda" or num_retrieval == 0:
+    if device.type != "cuda":
         return 1
     want = triton.cdiv(8 * _sm_count(device.index), max(num_reqs * num_retrieval, 1))
     # a power of two: MAX_SPLITS is a compile-time constant, so at most 7 variants ever compile
@@ -152,7 +219,7 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
 def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                      max_num_splits: int, stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
-                     streaming_only: bool = False, checked: bool = False) -> None:
+                     streaming_only: bool = False, checked: bool = False, min_split: int | None = None) -> None:
     """Duo attention of every request with exactly one new token; other requests are left untouched.
 
     The batch's K/V must already be in the cache (`write_kv`).
@@ -163,42 +230,47 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         heads: the layer's head maps (index tensors on the cache's device).
         query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
-        max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 skips the merge.
+        max_num_splits: fixed bound on context splits per retrieval head (`decode_num_splits`); 1 also keeps each
+            streaming head in one program, and skips the merge.
         stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
         checked: the caller has validated these inputs (`write_kv`'s argument).
+        min_split: the shortest split in tokens, a multiple of the key tile (default MIN_SPLIT_TOKENS on GPU,
+            one tile on the CPU interpreter; kernels_bench.py tries others).
     """
     stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table,
                                    checked)
     num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
     if query.shape[0] == 0 or num_reqs == 0 or S + (0 if streaming_only else R) == 0:
         return
-    splits = max_num_splits if R and not streaming_only else 1
-    first_program = R if streaming_only else 0
     head_dim, G = cache.shape[-1], heads.group_size
     block_d = triton.next_power_of_2(head_dim)
-    # keys per tile: a multiple of the 16-token block; 32 for head_dim 256 (64 spills registers at 4 warps);
-    # 16 and one-tile splits on the CPU interpreter so that tests cross tiles and splits
-    block_n = (64 if head_dim <= 128 else 32) if cache.is_cuda else 16
-    min_split = MIN_SPLIT_TOKENS if cache.is_cuda else block_n
+    block_n, default_min_split, num_stages = decode_tiles(head_dim, cache.device)
+    min_split = min_split or default_min_split
+    # streaming heads: the sinks, then the window in chunks of the split length (at least min_split)
+    stream_splits = 1 + triton.cdiv(heads.recent, min_split) if S and heads.recent and max_num_splits > 1 else 1
+    num_parts = max(max_num_splits, stream_splits)
+    first_program = R * max_num_splits if streaming_only else 0
+    # KV heads whose splits the merge combines (part_out's rows run retrieval, then streaming heads)
+    merged = range(0 if max_num_splits > 1 and not streaming_only else R, R + S if stream_splits > 1 else R)
     part_out = part_lse = output  # unused placeholders when nothing is split
-    if splits > 1:
-        part_out = torch.empty(num_reqs, R * G, splits, head_dim, dtype=torch.float32, device=cache.device)
-        part_lse = torch.empty(num_reqs, R * G, splits, dtype=torch.float32, device=cache.device)
-    _decode_kernel[(num_reqs, R * splits + S - first_program)](
+    if merged:
+        part_out = torch.empty(num_reqs, (R + S) * G, num_parts, head_dim, dtype=torch.float32, device=cache.device)
+        part_lse = torch.empty(num_reqs, (R + S) * G, num_parts, dtype=torch.float32, device=cache.device)
+    _decode_kernel[(num_reqs, R * max_num_splits + S * stream_splits - first_program)](
         query, cache, stream_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
         query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
         R, S, heads.stride, heads.stream_offset, stream_cache.shape[3], heads.sink, heads.recent, first_program,
         *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *stream_cache.stride()[:4],
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
-        FP16=fp8_in_fp16(cache, query), num_warps=4,
-        num_stages=3 if cache.is_cuda else 1)
-    if splits > 1:
-        _merge_kernel[(num_reqs, R * G)](
-            output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, R,
-            output.stride(0), output.stride(1),
-            G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=splits, MIN_SPLIT=min_split,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
+        MIN_SPLIT=min_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), num_warps=4,
+        num_stages=num_stages)
+    if merged:
+        _merge_kernel[(num_reqs, len(merged) * G)](
+            output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
+            heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
+            G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,
+            MIN_SPLIT=min_split, BLOCK_S=triton.next_power_of_2(num_parts), num_warps=4)

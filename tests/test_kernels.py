@@ -322,6 +322,18 @@ def test_decode_kernel(name, splits):
     assert out[others].isnan().all(), "decode wrote rows of multi-token requests"
 
 
+def test_decode_window_in_chunks():
+    """A long window splits into several chunks (split length = min_split here): chunks that end mid-tile, windows
+    shorter than the sinks plus recent, contexts within the sinks, all merged to the reference."""
+    p = Preset(8, 4, (2,), tuple((n, 1) for n in (200, 60, 40, 7, 3, 0, 91)), sink=8, recent=40)
+    case = make_case(p)
+    ref, _ = case.reference()
+    (cache, _), out = written_caches(case), case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out, 4,
+                     min_split=16)  # 1 sink split + 3 window chunks per streaming head
+    assert_close(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_duo_attention_triton(name):
     case = make_case(PRESETS[name])

@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compile every duo Triton kernel for an H100 (sm_90) on a machine without a GPU; run by test_kernel_compile.py.
+
+The CPU interpreter runs kernels as Python, so it misses what only the GPU compiler checks: the types
+of values merged across branches, returns of different types, constexpr misuse. This script compiles
+the kernels the way the H100 would see them (GPU tile choices, 16-byte aligned pointers and strides),
+with Triton's own ptxas, and prints one line per kernel: registers, spilled bytes (stack), shared memory.
+Run it without TRITON_INTERPRET. This machine's Triton may be newer than the GPU stack's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+NO_COMPILER = 77  # exit code: this Triton has no CUDA backend to compile with (the test skips)
+
+from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, FP8_FORMATS, _write_kv_kernel
+from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
+from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
+
+H100 = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+CUDA = torch.device("cuda")  # only its type is read: the tile choices for a GPU
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
+    """Element types of the kernels' pointer arguments, by name (the rest are int32 batch metadata)."""
+    scales = "fp32" if cache in FP8_FORMATS else TRITON_TYPES[cache]  # a bf16 cache passes itself as its scales
+    types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr"), TRITON_TYPES[model])
+    types.update(dict.fromkeys(("cache_ptr", "stream_ptr"), TRITON_TYPES[cache]))
+    types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr"), "fp32"))
+    types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
+    types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr"), "i64"))
+    return {name: "*" + t for name, t in types.items()}
+
+
+def compile_for_h100(kernel, model: torch.dtype, cache: torch.dtype, constants: dict, **options) -> str:
+    """Compile `kernel` with `constants` for sm_90; its resource line (cuobjdump) or raise."""
+    pointers = pointer_types(model, cache)
+    signature, attrs = {}, {}
+    for i, param in enumerate(kernel.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif param.annotation == "i64":  # the strides: multiples of head_dim, except a block table's row
+            signature[name] = "i64"
+            if name != "stride_table":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs), target=H100,
+                              options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    registers, stack = next(line.split("REG:")[1] for line in usage.splitlines() if "REG:" in line).split()[:2]
+    return (f"registers {registers}, spilled {stack.removeprefix('STACK:')} B, "
+            f"shared memory {compiled.metadata.shared} B")
+
+
+def cases():
+    """(label, kernel, model dtype, cache dtype, constants, options) for Llama-3.1-8B (G 4, head_dim 128) in bf16
+    and over an fp8 cache, and SmolLM2 (G 3, head_dim 64)."""
+    for model, cache, G, head_dim in ((torch.bfloat16, torch.bfloat16, 4, 128),
+                                      (torch.bfloat16, torch.float8_e4m3fn, 4, 128),
+                                      (torch.float16, torch.float8_e5m2, 4, 128),
+                                      (torch.bfloat16, torch.bfloat16, 3, 64)):
+        fp8 = FP8_FORMATS.get(cache, "")
+        shape = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, FP8=fp8)
+        tag = f"{TRITON_TYPES[model]}/{TRITON_TYPES[cache]} G={G} d={head_dim}"
+        yield f"write_kv {tag}", _write_kv_kernel, model, cache, dict(shape, BLOCK_T=WRITE_BLOCK_T), dict(num_warps=4)
+
+        config = _prefill_config(head_dim, CUDA)
+        block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(G))
+        block_n = config.pop("BLOCK_N")
+        fp16 = bool(fp8) and model == torch.bfloat16
+        constants = dict(shape, G=G, BLOCK_Q=block_m // G, BLOCK_M=block_m, BLOCK_N=block_n, FP16=fp16)
+        yield f"prefill {tag}", _prefill_kernel, model, cache, constants, config
+
+        block_n, min_split, num_stages = decode_tiles(head_dim, CUDA)
+        for max_splits, stream_splits in ((1, 1), (64, 2)):
+            parts = max(max_splits, stream_splits)
+            constants = dict(shape, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
+                             MAX_SPLITS=max_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
+                             FP16=fp16)
+            yield (f"decode {tag} splits {max_splits}/{stream_splits}", _decode_kernel, model, cache, constants,
+                   dict(num_warps=4, num_stages=num_stages))
+            if parts > 1 and not fp8:  # the merge reads fp32 parts whatever the cache holds
+                constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
+                                 MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
+                                 BLOCK_S=triton.next_power_of_2(parts))
+                yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, dict(num_warps=4)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("sm90_compile.py compiles for the GPU: run it without TRITON_INTERPRET=1")
+    if not os.path.exists(CUOBJDUMP):
+        print(f"Triton {triton.__version__} has no CUDA backend here")
+        return NO_COMPILER
+    failed = 0
+    for label, kernel, model, cache, constants, options in cases():
+        try:
+            print(f"{label}: {compile_for_h100(kernel, model, cache, constants, **options)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+            failed += 1
+            print(f"{label}: FAILED {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
