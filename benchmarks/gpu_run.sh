@@ -25,6 +25,10 @@ for stage in "$@"; do
     tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     kernel_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
     e2e_tests) timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_e2e.py 2>&1 | tee "$OUT/gpu_e2e_tests.log" | tail -15 ;;
+    tests_both)  # kernel_tests and e2e_tests at once: one call instead of two (each e2e engine takes 30% of the GPU)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 &
+      timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_e2e.py > "$OUT/gpu_e2e_tests.log" 2>&1 &
+      wait; tail -n 6 "$OUT/gpu_kernel_tests.log"; tail -n 12 "$OUT/gpu_e2e_tests.log" ;;
     e2e_bf16) for group in "triton_path or all_retrieval_equals" "cuda_graphs or prefix_hit"; do  # two at once
         timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$group" tests/test_gpu_e2e.py \
           > "$OUT/gpu_e2e_${group%% *}.log" 2>&1 &

@@ -74,16 +74,18 @@ def compile_for_h100(kernel, model: torch.dtype, cache: torch.dtype, constants: 
 
 
 def cases():
-    """(label, kernel, model dtype, cache dtype, constants, options) for Llama-3.1-8B (G 4, head_dim 128) in bf16
-    and over an fp8 cache, and SmolLM2 (G 3, head_dim 64)."""
-    for model, cache, G, head_dim in ((torch.bfloat16, torch.bfloat16, 4, 128),
-                                      (torch.bfloat16, torch.float8_e4m3fn, 4, 128),
-                                      (torch.float16, torch.float8_e5m2, 4, 128),
-                                      (torch.bfloat16, torch.bfloat16, 3, 64)):
+    """(label, kernel, model dtype, cache dtype, constants, options): Llama-3.1-8B's shape (G 4, head_dim 128) in bf16
+    with every variant, over fp8 caches (the write once per format that quantizes), SmolLM2's (G 3, head_dim 64)."""
+    for model, cache, G, head_dim, variants in (
+            (torch.bfloat16, torch.bfloat16, 4, 128, {"write", "decode without splits", "merge"}),
+            (torch.bfloat16, torch.float8_e4m3fn, 4, 128, {"write"}),
+            (torch.float16, torch.float8_e5m2, 4, 128, set()),
+            (torch.bfloat16, torch.bfloat16, 3, 64, {"merge"})):
         fp8 = FP8_FORMATS.get(cache, "")
         shape = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, FP8=fp8)
         tag = f"{TRITON_TYPES[model]}/{TRITON_TYPES[cache]} G={G} d={head_dim}"
-        yield f"write_kv {tag}", _write_kv_kernel, model, cache, dict(shape, BLOCK_T=WRITE_BLOCK_T), dict(num_warps=4)
+        if "write" in variants:
+            yield f"write_kv {tag}", _write_kv_kernel, model, cache, dict(shape, BLOCK_T=WRITE_BLOCK_T), {}
 
         config = _prefill_config(head_dim, CUDA)
         block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(G))
@@ -93,18 +95,19 @@ def cases():
         yield f"prefill {tag}", _prefill_kernel, model, cache, constants, config
 
         block_n, min_split, num_stages = decode_tiles(head_dim, CUDA)
-        for max_splits, stream_splits in ((1, 1), (64, 2)):
+        splits = ((1, 1), (64, 2)) if "decode without splits" in variants else ((64, 2),)
+        for max_splits, stream_splits in splits:
             parts = max(max_splits, stream_splits)
             constants = dict(shape, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
                              MAX_SPLITS=max_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
                              FP16=fp16)
             yield (f"decode {tag} splits {max_splits}/{stream_splits}", _decode_kernel, model, cache, constants,
                    dict(num_warps=4, num_stages=num_stages))
-            if parts > 1 and not fp8:  # the merge reads fp32 parts whatever the cache holds
+            if parts > 1 and "merge" in variants:
                 constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
                                  MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
                                  BLOCK_S=triton.next_power_of_2(parts))
-                yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, dict(num_warps=4)
+                yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, {}
 
 
 def main() -> int:

@@ -18,7 +18,9 @@ def test_score_heads_tiny_run_is_deterministic_and_makes_a_valid_pattern():
     assert scores.shape == (shape.num_layers, shape.num_kv_heads)
     assert scores.min() >= 0.0 and scores.max() == 1.0
     assert len(np.unique(scores)) > 1
-    assert np.array_equal(scores, scoring.score_heads(model_dir, **options))
+    # same seed, same prompts: the scores agree up to float32 noise (CPU BLAS does not promise equal bits between
+    # two runs: a CI run once differed by 1.6e-4 relative)
+    np.testing.assert_allclose(scoring.score_heads(model_dir, **options), scores, rtol=1e-3, atol=1e-6)
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompt = passkey.passkey_prompt(tokenizer, 300, random.Random(0), 0.5, sink=8, recent=32)
