@@ -5,7 +5,8 @@ sink and window in splits of the same length.
 One launch covers a layer: the grid is (request, R x MAX_SPLITS + S x STREAM_SPLITS). A program serves
 the G query heads of one KV head, so each K/V byte is read once. At small batches the GPU is mostly
 idle and the launch takes as long as its longest program's chain of dependent tiles, so no program
-reads more than one split length of keys (computed on the device from seq_len, at least MIN_SPLIT):
+reads more than one split length of keys (computed on the device from seq_len, at least MIN_SPLIT)
+or a streaming head's sinks:
 
     seq_len 1000, split length 256, sink 64, recent 256
     retrieval head:  split 0 [0, 256)  split 1 [256, 512)  split 2 [512, 768)  split 3 [768, 1000)
