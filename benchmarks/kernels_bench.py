@@ -487,6 +487,7 @@ def bench_mixed(fa, rows, out_json):
     between piecewise CUDA graphs: device time, host time to issue, and where duo's host time goes. Then
     the streaming heads' prefill over the tile shapes of PREFILL_CONFIGS."""
     from vllm import _custom_ops as ops
+    from vllm.vllm_flash_attn import get_scheduler_metadata
     from vllm_duo.kernels import prefill as prefill_module
     from vllm_duo.kernels.attention import retrieval_flash_attention
 
@@ -513,19 +514,37 @@ def bench_mixed(fa, rows, out_json):
 
         bound = max_s if max_q > 1 else SERVED_MAX_MODEL_LEN  # decode batches size their splits for max_model_len
 
-        def duo_layer():
+        # multi-token batches: FlashAttention's schedule is made by the step's first layer of this retrieval-head
+        # count and reused by the others (the common case, timed as "duo layer"); made on every call: a row below
+        schedules = {} if max_q > 1 else None
+
+        def duo_layer(make_schedule=False):
             duo_attention_triton(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
-                                 retrieval_table=retrieval_table)
+                                 retrieval_table=retrieval_table,
+                                 flash_schedules={} if make_schedule and max_q > 1 else schedules)
+
+        dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
+        if fa.version == 3:
+            dense_schedule = get_scheduler_metadata(
+                batch_size=len(batch), max_seqlen_q=max_q, max_seqlen_k=max_s, num_heads_q=NUM_HEADS,
+                num_heads_kv=NUM_KV_HEADS, headdim=HEAD_DIM, cache_seqlens=sl, qkv_dtype=DTYPE, cu_seqlens_q=qsl,
+                page_size=BLOCK, causal=True)
 
         def dense_layer():
             ops.reshape_and_cache_flash(key, value, dense_k, dense_v, slots, "auto", one, one)
             fa(query, dense_k, dense_v, max_seqlen_q=max_q, cu_seqlens_q=qsl, max_seqlen_k=max_s, seqused_k=sl,
-               softmax_scale=SCALE, causal=True, block_table=dense_table, out=fa_out)
+               softmax_scale=SCALE, causal=True, block_table=dense_table, out=fa_out, scheduler_metadata=dense_schedule)
 
         res = dict(case=name, tokens=T, requests=len(batch))
+        duo_layer()  # eagerly, so that the schedules are made outside the CUDA graphs the timings capture
+        torch.cuda.synchronize()
         for side, fn in (("duo", duo_layer), ("dense", dense_layer)):
             res[f"{side}_device_ms"] = device_ms(fn)
             res[f"{side}_host_us"] = host_us(fn)
+        if max_q > 1:
+            res["duo_host_us_making_the_schedule"] = host_us(lambda: duo_layer(make_schedule=True))
+            rows.append((f"mixed {T}", f"{name}: duo layer making FA3's schedule, host us/call "
+                         f"{res['duo_host_us_making_the_schedule']:.0f}", float("nan"), float("nan")))
 
         def streaming(into):
             prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, into, streaming_only=True)
@@ -534,7 +553,7 @@ def bench_mixed(fa, rows, out_json):
                                                                         duo.table))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         res["duo_retrieval_fa3_ms"] = device_ms(lambda: retrieval_flash_attention(
-            fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s))
+            fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s, schedules=schedules))
         R = heads.num_retrieval
         if seq_lens == new:  # prompts from scratch: how fast FA3 takes the streaming heads' window (no sinks)
             res["fa3_streaming_window_ms"] = device_ms(lambda: fa(

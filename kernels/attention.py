@@ -19,7 +19,8 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          block_table: torch.Tensor, scale: float, output: torch.Tensor, max_query_len: int,
                          max_seq_len: int, max_num_splits: int | None = None,
                          stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
-                         retrieval_table: torch.Tensor | None = None) -> None:
+                         retrieval_table: torch.Tensor | None = None,
+                         flash_schedules: dict[int, torch.Tensor] | None = None) -> None:
     """Write the batch's K/V into the duo cache, then attend: single-token requests by decode.py, the rest by
     prefill.py.
 
@@ -49,6 +50,8 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             the model's dtype, except for FlashAttention-3's fp8 path, which quantizes them by `q_scale`.
         retrieval_table: `block_table[:, ::heads.stride]` contiguous, for FlashAttention (made here if None;
             the backend makes it once per step for all layers, in a buffer CUDA graphs can replay).
+        flash_schedules: the step's FlashAttention-3 tile schedules by retrieval-head count, shared by its layers
+            (`retrieval_flash_attention`); multi-token batches only, which run outside CUDA graphs.
     """
     stream_cache = cache if stream_cache is None else stream_cache
     if heads.num_retrieval == 0:
@@ -65,7 +68,8 @@ def duo_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             retrieval_table = block_table[:, ::heads.stride].contiguous()
         retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, retrieval_table, scale,
                                   output, max_query_len, max_seq_len, quant,
-                                  num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0)
+                                  num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
+                                  schedules=flash_schedules if max_query_len > 1 else None)
     if max_query_len > 1:  # with FlashAttention, every request's streaming heads; else the multi-token requests
         prefill_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
                           min_query_len=1 if by_flash else 2, streaming_only=by_flash, stream_cache=stream_cache,
@@ -97,10 +101,18 @@ def flash_attn_varlen():
     return functools.partial(flash_attn_varlen_func, fa_version=3)
 
 
+@functools.cache
+def flash_scheduler():
+    """vLLM's `get_scheduler_metadata` (FlashAttention-3's tile schedule of a batch, computed ahead of the calls)."""
+    from vllm.vllm_flash_attn import get_scheduler_metadata
+    return get_scheduler_metadata
+
+
 def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, retrieval_table: torch.Tensor,
                               scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int,
-                              quant: KVQuant | None = None, num_splits: int = 0) -> None:
+                              quant: KVQuant | None = None, num_splits: int = 0,
+                              schedules: dict[int, torch.Tensor] | None = None) -> None:
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and
@@ -109,23 +121,36 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     slice of `output` in place), else gathered and scattered back. On an fp8 cache the queries are
     quantized by the layer's q scale (one launch, queries.py) and FlashAttention descales q, k and v,
     as vLLM's dense FLASH_ATTN backend does. `num_splits` 0 lets FlashAttention choose its KV splits.
+
+    Without a schedule, each call allocates one and launches a kernel to compute it before attending;
+    vLLM's FLASH_ATTN computes it once per step for all layers. `schedules` does the same for the
+    layers of one retrieval-head count: the first computes it with this call's own arguments, the
+    others of the step reuse it (a schedule fits only the head counts, dtype and batch it was made for).
     """
     R = heads.num_retrieval
-    descales = {}
+    options = {}  # the fp8 descales, the step's schedule
     if cache.dtype == torch.float8_e4m3fn:
         q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
         q = retrieval_queries(query, heads, cache.dtype, q_scale)
         shape = (seq_lens.shape[0], R)
         k_scale, v_scale = scale_tensors(quant, cache)
-        descales = dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape),
-                        v_descale=v_scale.expand(shape))
+        options = dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape),
+                       v_descale=v_scale.expand(shape))
     else:
         q = retrieval_queries(query, heads)
+    if schedules is not None:
+        if R not in schedules:
+            schedules[R] = flash_scheduler()(
+                batch_size=seq_lens.shape[0], max_seqlen_q=max_query_len, max_seqlen_k=max_seq_len,
+                num_heads_q=R * heads.group_size, num_heads_kv=R, headdim=cache.shape[-1], cache_seqlens=seq_lens,
+                qkv_dtype=cache.dtype, cu_seqlens_q=query_start_loc, page_size=cache.shape[2], causal=True,
+                num_splits=num_splits)
+        options["scheduler_metadata"] = schedules[R]
     into = output[:, :R * heads.group_size] if heads.retrieval_first and q.dtype == output.dtype else None
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
-                block_table=retrieval_table, num_splits=num_splits, out=into, **descales)
+                block_table=retrieval_table, num_splits=num_splits, out=into, **options)
     if into is not None:
         return
     if heads.retrieval_first:

@@ -344,6 +344,41 @@ def test_duo_attention_triton(name):
     assert_caches_equal((cache, stream), ref_caches)
 
 
+def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
+    """A multi-token step's FlashAttention-3 tile schedule is made by its first layer of each retrieval-head count,
+    with that call's own batch, heads, dtype and page size, and handed to every call of that count (FlashAttention
+    itself runs on GPUs only: a stand-in records the calls)."""
+    from vllm_duo.kernels import attention
+    made, calls = [], []
+    monkeypatch.setattr(attention, "flash_scheduler", lambda: lambda **kw: made.append(kw) or f"schedule {len(made)}")
+
+    def flash(**kw):
+        calls.append(kw)
+        return torch.zeros_like(kw["q"]) if kw["out"] is None else kw["out"]
+
+    qsl, seq_lens = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([9, 7], dtype=torch.int32)
+    query = torch.randn(12, 8, 64)
+    cache = torch.randn(10, 2, 16, 2, 64)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    schedules = {}
+    for retrieval in ([0], [0, 1], [2], [1, 3]):  # layers of 1, 2, 1, 2 retrieval heads (4 KV heads, G = 2)
+        heads = LayerHeads.build(retrieval, 4, 8, 2, 4, 16)
+        attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1,
+                                            torch.empty_like(query), 7, 9, schedules=schedules)
+    assert [(m["num_heads_q"], m["num_heads_kv"]) for m in made] == [(2, 1), (4, 2)]
+    for m in made:
+        batch = (m["batch_size"], m["max_seqlen_q"], m["max_seqlen_k"], m["headdim"], m["page_size"])
+        assert batch == (2, 7, 9, 64, 16)
+        assert m["qkv_dtype"] == cache.dtype and m["causal"] and m["num_splits"] == 0
+        assert m["cache_seqlens"] is seq_lens and m["cu_seqlens_q"] is qsl
+    assert [c["scheduler_metadata"] for c in calls] == ["schedule 1", "schedule 2", "schedule 1", "schedule 2"]
+    assert [c["q"].shape[1] for c in calls] == [2, 4, 2, 4]  # each call's heads are its schedule's
+
+    attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1, torch.empty_like(query),
+                                        1, 9)  # no schedules (a decode batch): FlashAttention makes its own
+    assert "scheduler_metadata" not in calls[-1] and len(made) == 2
+
+
 def test_layer_without_pages_reads_only_its_stream_cache():
     """A layer with no retrieval heads gets a stub cache (kv_cache.py): only the pooled streaming pages are touched."""
     case = make_case(PRESETS["pooled_streaming_layer"])
