@@ -23,6 +23,6 @@ def test_kernels_compile_for_h100_without_spills():
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     kernels = re.findall(r"^(.*): registers \d+, spilled (\d+) B", run.stdout, re.M)
-    assert len(kernels) >= 10, run.stdout
+    assert len(kernels) >= 9, run.stdout
     spilled = [name for name, stack in kernels if int(stack)]
     assert not spilled, f"registers spill to the stack in {spilled}:\n{run.stdout}"
