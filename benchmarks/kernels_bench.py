@@ -517,12 +517,11 @@ def bench_mixed(fa, rows, out_json):
 
         # multi-token batches: FlashAttention's schedule is made by the step's first layer of this retrieval-head
         # count and reused by the others (the common case, timed as "duo layer"); made on every call: a row below
-        schedules = {} if max_q > 1 else None
+        schedules = {}
 
         def duo_layer(make_schedule=False):
             duo_attention_triton(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
-                                 retrieval_table=retrieval_table,
-                                 flash_schedules={} if make_schedule and max_q > 1 else schedules)
+                                 retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules)
 
         dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
         if fa.version == 3:
@@ -554,7 +553,8 @@ def bench_mixed(fa, rows, out_json):
                                                                         duo.table))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         res["duo_retrieval_fa3_ms"] = device_ms(lambda: retrieval_flash_attention(
-            fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s, schedules=schedules))
+            fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s,
+            schedules=schedules if max_q > 1 else None))  # as duo_attention_triton: none in decode (graphs)
         R = heads.num_retrieval
         if seq_lens == new:  # prompts from scratch: how fast FA3 takes the streaming heads' window (no sinks)
             res["fa3_streaming_window_ms"] = device_ms(lambda: fa(

@@ -111,9 +111,9 @@ class DuoAttentionMetadata:
     `retrieval_table` is their page columns alone, contiguous, for FlashAttention (CUDA; None on the
     CPU). The kernels read the device tensors; the PyTorch path (CPU) reads the host lists.
     `max_seq_len` bounds the batch's seq_lens: max_model_len in decode-only batches (see the builder).
-    `flash_schedules` collects FlashAttention-3's tile schedules of a multi-token batch as its layers
-    make them, one per retrieval-head count (kernels/attention.py); None where the step may replay a
-    CUDA graph, whose FlashAttention calls schedule themselves.
+    `flash_schedules` collects the step's FlashAttention-3 tile schedules as its layers make them, one per
+    retrieval-head count; kernels/attention.py uses it in multi-token batches only (a decode batch may be a
+    CUDA graph replay, whose FlashAttention calls schedule themselves).
     """
 
     num_actual_tokens: int
@@ -125,7 +125,7 @@ class DuoAttentionMetadata:
     retrieval_table: torch.Tensor | None
     query_start_loc_host: list[int] | None
     seq_lens_host: list[int] | None
-    flash_schedules: dict[int, torch.Tensor] | None
+    flash_schedules: dict[int, torch.Tensor]
 
 
 class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]):
@@ -196,7 +196,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             retrieval_table=retrieval_table,
             query_start_loc_host=cam.query_start_loc_cpu[: num_reqs + 1].tolist() if on_host else None,
             seq_lens_host=cam.seq_lens_cpu[:num_reqs].tolist() if on_host else None,
-            flash_schedules={} if cam.max_query_len > 1 and not on_host else None,
+            flash_schedules={},
         )
 
 
