@@ -42,9 +42,10 @@ def request(name: str, num_token_blocks: int, salt: int = 0):
                            num_prompt_tokens=num_token_blocks * BLOCK, shared_prefix_boundary=None)
 
 
-def run_to(mgr, req, num_tokens: int, chunk: int = 8) -> None:
-    """The scheduler's calls for a prompt prefilled in chunks: free out-of-window groups, allocate, hash."""
-    done = 0
+def run_to(mgr, req, num_tokens: int, chunk: int = 8, start: int = 0) -> None:
+    """The scheduler's calls for a prompt prefilled in chunks from `start`: free out-of-window groups, allocate,
+    hash."""
+    done = start
     while done < num_tokens:
         step = min(chunk, num_tokens - done)
         mgr.remove_skipped_blocks(req.request_id, done)
@@ -58,17 +59,40 @@ def layout(blocks) -> str:
     return "".join("-" if b.is_null else "x" for b in blocks)
 
 
-def test_requests_hold_pages_and_only_sink_and_window_groups():
-    """The docstring's example: at 21 tokens the groups of token blocks 1..3 are freed, and the pool has them back."""
+def streaming_status(mgr, pool, req) -> str:
+    """Per token block of `req`, what became of its streaming group: 'x' held, 'c' freed but cached, '-' freed
+    uncached (kv_cache.py's diagram)."""
+    from vllm_duo.kv_cache import STREAMING_HASH_GROUP
+
+    blocks = mgr.req_to_blocks[req.request_id]
+    status = ""
+    for t, block_hash in enumerate(req.block_hashes[:len(blocks) // 2]):
+        if not blocks[2 * t + 1].is_null:
+            status += "x"
+        else:
+            status += "c" if pool.get_cached_block(block_hash, [STREAMING_HASH_GROUP + 1]) else "-"
+    return status
+
+
+def test_docstring_example_keeps_retains_and_uncaches():
+    """kv_cache.py's diagram: a cold 60-token prompt after its prefill. Sink (0), window (13, 14) and the level-1
+    window (9, 10) stay; levels 0, 2, 3 (11-12, 6-7, 1) are freed but cached; the rest is freed uncached."""
     mgr, _, pool = manager()
     free_before = pool.get_num_free_blocks()
-    req = request("a", 6)
-    run_to(mgr, req, 21)
-    mgr.remove_skipped_blocks("a", 21)
-    assert layout(mgr.req_to_blocks["a"]) == "xx" + "x-" * 3 + "xx" * 2
-    assert pool.get_num_free_blocks() == free_before - 6 - 3
+    req = request("a", 15)
+    run_to(mgr, req, 60)
+    mgr.remove_skipped_blocks("a", 60)
+    assert streaming_status(mgr, pool, req) == "xc----cc-xxccxx"
+    assert pool.get_num_free_blocks() == free_before - 15 - 5
     mgr.free("a")
     assert pool.get_num_free_blocks() == free_before and mgr.num_held_blocks() == 0
+    # queued tail first: every page, and the groups of sink, window, kept and retained windows, from the last
+    # token block down (the uncached groups went to the queue's head)
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    cached = [b for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+    positions = [req.block_hashes.index(get_block_hash(b.block_hash)) for b in cached]
+    assert positions == sorted(positions, reverse=True) and len(cached) == 15 + 10
 
 
 def test_hit_takes_pages_sink_and_window_groups_that_freed_blocks_still_hold():
@@ -86,12 +110,79 @@ def test_hit_takes_pages_sink_and_window_groups_that_freed_blocks_still_hold():
     assert mgr.num_held_blocks() == 0
 
 
+def test_request_keeps_the_window_of_its_hit_and_of_a_shared_prefix():
+    """b hits a's first 24 tokens and keeps the window before them to its end. c finds a's pages up to token 40
+    but the pool evicted a's groups there: it hits 32 tokens, and keeps the window before 40 for the requests
+    after it, which hit all 40."""
+    mgr, spec, pool = manager()
+    a, b = request("a", 10), request("b", 15)
+    b.block_hashes[6:] = [bytes([9, t]) * 16 for t in range(6, 15)]  # b shares a's first 6 token blocks
+    run_to(mgr, a, 40)
+    a_groups = [blk.block_id for blk in mgr.req_to_blocks["a"][1::2]]
+    mgr.free("a")
+    (hit,), length = mgr.find_longest_cache_hit(b.block_hashes, 59, [0], pool, spec, False, BLOCK)
+    assert length == 24
+    mgr.add_local_computed_blocks("b", hit, length, 0)
+    run_to(mgr, b, 60, start=24)
+    mgr.remove_skipped_blocks("b", 60)
+    assert streaming_status(mgr, pool, b)[4:6] == "xx"
+
+    pool.evict_blocks({a_groups[8]})
+    c = request("c", 15)
+    c.block_hashes[10:] = [bytes([8, t]) * 16 for t in range(10, 15)]  # c shares all 10 of a's token blocks
+    (hit,), length = mgr.find_longest_cache_hit(c.block_hashes, 59, [0], pool, spec, False, BLOCK)
+    assert length == 32
+    mgr.add_local_computed_blocks("c", hit, length, 0)
+    run_to(mgr, c, 60, start=length)
+    mgr.remove_skipped_blocks("c", 60)
+    assert streaming_status(mgr, pool, c)[8:10] == "xx"
+    (hit,), length = mgr.find_longest_cache_hit(request("d", 11).block_hashes, 43, [0], pool, spec, False, BLOCK)
+    assert length == 40
+    for name in "bc":
+        mgr.free(name)
+    assert mgr.num_held_blocks() == 0
+
+
+@pytest.mark.parametrize("private, level", [(4, 0), (6, 0), (7, 1), (12, 1), (13, 2), (40, 3)])
+def test_kept_level_covers_the_private_parts_of_recent_prompts(private, level):
+    """After prompts that leave a shared prefix `private` tokens before their end, a request keeps the window
+    2^level recent tokens (6) before its prompt's end: the smallest level that reaches back that far."""
+    mgr, _, pool = manager(num_blocks=256)
+    shared = request("doc", 20)
+    run_to(mgr, shared, 80)
+    for i in range(3):
+        req = request(f"q{i}", 20)
+        req.num_prompt_tokens = 80 + private
+        req.block_hashes += [bytes([7, i, t]) * 10 for t in range(20, 20 + -(-private // BLOCK))]
+        run_to(mgr, req, 4)  # its first chunk: its pages so far are a's; the rest of a's are cached past it
+    assert mgr._kept_level() == level
+
+
+def test_retained_groups_are_queued_again_with_the_pages():
+    """a's level-0 window (token blocks 21, 22) was freed when a's queries passed it, before a's pages. It is
+    queued again with them when a ends, so evicting everything freed before a's end leaves it: b, which shares
+    a's first 88 tokens, hits all of them."""
+    mgr, spec, pool = manager(num_blocks=256)
+    a = request("a", 25)
+    run_to(mgr, a, 100)
+    mgr.remove_skipped_blocks("a", 100)
+    assert streaming_status(mgr, pool, a)[19:23] == "xxcc"
+    blocks = mgr.pop_blocks_for_free("a")
+    pool.free_blocks(reversed(blocks))
+    pool.get_new_blocks(pool.get_num_free_blocks() - sum(not blk.is_null for blk in blocks))
+    b = request("b", 25)
+    b.block_hashes[22:] = [bytes([5, t]) * 16 for t in range(22, 25)]
+    (hit,), length = mgr.find_longest_cache_hit(b.block_hashes, 99, [0], pool, spec, False, BLOCK)
+    assert length == 88
+
+
 @pytest.mark.parametrize("evicted_group, length", [(3, 12), (0, 0), (None, 20)])
 def test_hit_ends_before_an_evicted_group_it_would_need(evicted_group, length):
     """A window group gone: the hit ends at that token block (every longer one needs it); a sink group gone: no hit
     past it. The search jumps there at once."""
     mgr, spec, pool = manager()
-    run_to(mgr, request("a", 6), 24)
+    req = request("a", 6)
+    run_to(mgr, req, 24)
     groups = [b.block_id for b in mgr.req_to_blocks["a"][1::2]]
     mgr.free("a")
     if evicted_group is not None:
@@ -102,10 +193,11 @@ def test_hit_ends_before_an_evicted_group_it_would_need(evicted_group, length):
 
 
 def test_admission_counts_blocks_held_between_steps():
-    """The whole-prompt admission check counts pages and the groups of sink and window, not every group."""
+    """The whole-prompt admission check counts pages and the groups of sink, window and the windows a request may
+    keep (at most 3, each 2 token blocks of a 6-token window here), not every group."""
     mgr, spec, _ = manager(num_blocks=256, streaming_blocks=2)
-    tokens = 100  # 25 token blocks; groups held: 1 sink + 2 window blocks (95..99 seen from 100)
-    assert mgr.get_num_blocks_to_allocate("x", tokens, [], 0, 0, tokens, apply_admission_cap=True) == 25 + 2 * 3
+    tokens = 100  # 25 token blocks; groups held: 1 sink + 2 window blocks (95..99 seen from 100) + 3 x 2 kept
+    assert mgr.get_num_blocks_to_allocate("x", tokens, [], 0, 0, tokens, apply_admission_cap=True) == 25 + 2 * 9
     assert mgr.get_num_blocks_to_allocate("x", tokens, [], 0, 0, tokens) == 25 * 3
 
 

@@ -86,21 +86,27 @@ class DuoAttentionBackend(AttentionBackend):
     @classmethod
     def kv_cache_spec(cls, layer, vllm_config) -> DuoAttentionSpec:
         """The duo cache spec of one attention layer (vLLM asks the layer; plugin.py routes it here)."""
-        plan = plan_from_vllm_config(vllm_config)
-        block_size = vllm_config.cache_config.block_size
-        layout = plan.page_layout(block_size, vllm_config.parallel_config.tensor_parallel_size)
-        pages = layout.page_heads[extract_layer_index(layer.layer_name)]
-        # A layer without pages (no retrieval heads, its streaming K/V elsewhere) still needs a page: vLLM divides
-        # by the page size. A one-element-per-row stub costs 1/head_dim of one head.
-        return DuoAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=pages or 1,
-            head_size=layer.head_size if pages else STUB_HEAD_SIZE,
-            dtype=layer.kv_cache_torch_dtype,
-            sink=plan.sink,
-            recent=plan.recent,
-            streaming_blocks=layout.streaming_blocks,
-        )
+        return layer_kv_cache_spec(vllm_config, extract_layer_index(layer.layer_name), layer.head_size,
+                                   layer.kv_cache_torch_dtype)
+
+
+def layer_kv_cache_spec(vllm_config, layer_index: int, head_size: int, dtype: torch.dtype) -> DuoAttentionSpec:
+    """The duo cache spec of attention layer `layer_index`: its pages' head slots and the page groups' width."""
+    plan = plan_from_vllm_config(vllm_config)
+    block_size = vllm_config.cache_config.block_size
+    layout = plan.page_layout(block_size, vllm_config.parallel_config.tensor_parallel_size)
+    pages = layout.page_heads[layer_index]
+    # A layer without pages (no retrieval heads, its streaming K/V elsewhere) still needs a page: vLLM divides
+    # by the page size. A one-element-per-row stub costs 1/head_dim of one head.
+    return DuoAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=pages or 1,
+        head_size=head_size if pages else STUB_HEAD_SIZE,
+        dtype=dtype,
+        sink=plan.sink,
+        recent=plan.recent,
+        streaming_blocks=layout.streaming_blocks,
+    )
 
 
 @dataclass

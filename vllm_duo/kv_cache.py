@@ -29,30 +29,64 @@ With bs 4, sink 4, recent 6, a request at 21 tokens (its next query, 21, sees 0.
     groups   s0     --     --     --      s4      s5       s1..s3 freed: 4..15 is neither sink nor window
 
 So a request holds ceil(T / bs) pages plus the page groups of its sink and window (and, during a
-prefill chunk, of the chunk: a step stores all its tokens' K/V before it attends), freed on finish,
-abort or preemption; vLLM's own "Maximum concurrency" counts them (`DuoAttentionSpec`).
+prefill chunk, of the chunk: a step stores all its tokens' K/V before it attends; with prefix
+caching, of up to three more windows, below), freed on finish, abort or preemption; vLLM's own
+"Maximum concurrency" counts them (`DuoAttentionSpec`).
 
 Prefix caching: r_t and each block of s_t are hashed with token block t's hash (the pages under
 the group's id, the streaming blocks under ids of their own), so a later request with the same
-first tokens finds them, and freed groups stay findable until the pool evicts them. A hit of k
-token blocks needs r_0..r_{k-1}, and the groups of the sink blocks and of the window before the
-first recomputed position k bs; the request then holds `[r0 s0 | r1 -- | ... | r_{k-1} s_{k-1}]`
-with null columns where no query will look, and computes from k bs on, exactly as if it had run
-all along (tests/test_prefix_caching.py). The longest hit whose window survived is taken.
+first tokens finds them. A hit of k token blocks needs r_0..r_{k-1}, and the groups of the sink
+blocks and of the window before the first recomputed position k bs; the request then holds
+`[r0 s0 | r1 -- | ... | r_{k-1} s_{k-1}]` with null columns where no query will look, and computes
+from k bs on, exactly as if it had run all along (tests/test_prefix_caching.py). The longest hit
+whose window survived is taken.
+
+So cached pages are worth something only while a window before some hit end survives with them,
+and a request cannot know where later prompts will leave its own. When its queries slide past a
+group (bs 4, sink 4, recent 6; a 60-token prompt of which nothing was cached, after its prefill):
+
+    token block  0  1  2  3  4  5  6  7  8  9  10 11 12 13 14
+    sink         s
+    window                                             w  w      the next query's window
+    kept                                    k  k                 held to the end
+    retained        r              r  r           r  r           freed, cached; queued again at the end
+    uncached           x  x  x  x        x                       freed uncached: the pool reuses them first
+
+* kept: the windows before the request's hit end and before the end of the pages others cached
+  for its prompt (a prefix it shares whose window is gone), and the window 2^L recent tokens before
+  its prompt's end (rounded to blocks), L the level that covered the median private part, the
+  tokens after a shared prefix, of recent prompts that shared one (L = 1 until one has).
+* retained: the windows of the other levels, 2^i recent tokens before the prompt's end: a later
+  prompt that leaves this one's at position P hits at the level below P, recomputing about twice
+  P's distance from the prompt's end at most, as long as the pool keeps them.
+* uncached: no hit can use them, so they do not push cached pages out.
+
+A document shared by running requests thus stays reachable at their junctions for as long as they
+run. When a request ends, its retained groups still cached are queued again with its pages, tail
+first, so the pool evicts a document from its end, one reachable prefix after another.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 # Hash ids of the streaming blocks of a page group (STREAMING_HASH_GROUP + j for block j): apart from vLLM's
 # KV cache group ids, which the retrieval pages use.
 STREAMING_HASH_GROUP = 1 << 20
+# Windows a request keeps to its end beyond its sink and current window (DuoKVCacheManager): one at a level before
+# its prompt's end, and those where it hit and where it left a prefix others cached. At most KEPT_WINDOWS, and one
+# for a prompt that shares nothing (what the capacity figures count). The level covers the median private part of
+# the last PRIVATE_LENGTHS prompts that shared a prefix.
+KEPT_WINDOWS = 3
+PRIVATE_LENGTHS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +106,9 @@ class DuoAttentionSpec(FullAttentionSpec):
         return self.stride * cdiv(max_len, self.block_size)
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
+        kept = 1 if vllm_config.cache_config.enable_prefix_caching else 0  # a request that shares no prefix
         held = blocks_held(vllm_config.model_config.max_model_len, self.streaming_blocks, self.sink, self.recent,
-                           self.block_size)
+                           self.block_size, kept)
         return held * self.page_size_bytes
 
     @classmethod
@@ -84,24 +119,48 @@ class DuoAttentionSpec(FullAttentionSpec):
         return specs[0]
 
 
-def streaming_groups_held(num_tokens: int, sink: int, recent: int, block_size: int) -> int:
-    """Token blocks whose streaming page group a request of `num_tokens` computed tokens keeps: the sink
-    blocks and those reaching into the next query's window (positions >= num_tokens - recent + 1)."""
+def streaming_groups_held(num_tokens: int, sink: int, recent: int, block_size: int, kept: int = 0) -> int:
+    """Token blocks whose streaming page group a request of `num_tokens` computed tokens keeps at most: the sink
+    blocks, those reaching into the next query's window (positions >= num_tokens - recent + 1), and `kept` windows
+    it keeps for later hits (`DuoKVCacheManager`)."""
     blocks = cdiv(num_tokens, block_size)
     freed = _first_window_block(num_tokens, recent, block_size) - cdiv(sink, block_size)
-    return blocks - max(0, min(freed, blocks - cdiv(sink, block_size)))
+    held = blocks - max(0, min(freed, blocks - cdiv(sink, block_size)))
+    return min(blocks, held + kept * cdiv(max(recent - 1, 0), block_size))
 
 
-def blocks_held(num_tokens: int, streaming_blocks: int, sink: int, recent: int, block_size: int) -> int:
+def blocks_held(num_tokens: int, streaming_blocks: int, sink: int, recent: int, block_size: int,
+                kept: int = 0) -> int:
     """Blocks a request of `num_tokens` tokens holds between steps: its pages, and the `streaming_blocks`-block
-    page groups of its sink and window (`streaming_groups_held`)."""
-    return cdiv(num_tokens, block_size) + streaming_blocks * streaming_groups_held(num_tokens, sink, recent, block_size)
+    page groups of `streaming_groups_held`."""
+    groups = streaming_groups_held(num_tokens, sink, recent, block_size, kept)
+    return cdiv(num_tokens, block_size) + streaming_blocks * groups
+
+
+@dataclass
+class _Windows:
+    """Which streaming page groups one request keeps when its queries slide past them (module docstring)."""
+
+    kept: list[range] = field(default_factory=list)  # held to the end
+    retained: list[range] = field(default_factory=list)  # freed cached, queued again at the end
+    retained_freed: list[tuple[int, KVCacheBlock, object]] = field(default_factory=list)  # (column, block, hash)
+    freed_up_to: int = 0  # token blocks below this are kept or freed
+    planned: bool = False  # the prompt's windows are known (at its first cache_blocks)
+
+    def keeps(self, token_block: int) -> bool:
+        return any(token_block in window for window in self.kept)
+
+    def retains(self, token_block: int) -> bool:
+        return any(token_block in window for window in self.retained)
 
 
 class DuoKVCacheManager(SingleTypeKVCacheManager):
     """Per request: `stride` blocks per token block (page, then page group); frees streaming page groups that
-    slid out of the window and hashes both kinds for prefix caching (module docstring).
+    slid out of the window, keeping the windows later hits need, and hashes both kinds for prefix caching
+    (module docstring).
 
+    Beyond vLLM's manager interface it uses the block pool's `touch` (a retained group queued again at the end)
+    and `evict_blocks` (a slid group no hit can use is freed uncached, so the pool reuses it first).
     `num_cached_block` counts token blocks here, not blocks.
     """
 
@@ -110,7 +169,13 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         self.stride = kv_cache_spec.stride
         self.sink_blocks = cdiv(kv_cache_spec.sink, self.block_size)
         self.recent = kv_cache_spec.recent
-        self._freed_up_to: dict[str, int] = {}  # token blocks below this have no streaming page group left
+        self._windows: dict[str, _Windows] = {}
+        self._private_lengths: collections.deque[int] = collections.deque(maxlen=PRIVATE_LENGTHS)  # prompt tokens past a hit
+
+    def _window(self, end_block: int) -> range:
+        """Token blocks past the sinks whose groups a hit of `end_block` token blocks needs."""
+        first = _first_window_block(end_block * self.block_size, self.recent, self.block_size)
+        return range(max(self.sink_blocks, first), end_block)
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                    num_local_computed_tokens, num_tokens_main_model,
@@ -118,12 +183,14 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         """New blocks for `num_tokens` token slots, plus hit blocks that leave the free queue.
 
         The admission check (`apply_admission_cap`, the whole prompt at once) counts the page groups a request
-        keeps between steps, not those of the chunks it will prefill: each is freed once the window moves on.
+        keeps between steps (its sink, window and kept windows), not those of the chunks it will prefill:
+        each is freed once the window moves on.
         """
         token_blocks = cdiv(num_tokens, self.block_size)
         held = [*self.req_to_blocks.get(request_id, ()), *new_computed_blocks]
         if apply_admission_cap:  # blocks, not columns: a hit's null columns need none
-            groups = streaming_groups_held(num_tokens, self.kv_cache_spec.sink, self.recent, self.block_size)
+            groups = streaming_groups_held(num_tokens, self.kv_cache_spec.sink, self.recent, self.block_size,
+                                           KEPT_WINDOWS if self.enable_caching else 0)
             missing = token_blocks + (self.stride - 1) * groups - sum(not b.is_null for b in held)
         else:  # columns: allocate_new_blocks fills every one past the held ones
             missing = token_blocks * self.stride - len(held)
@@ -135,7 +202,10 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
                                           num_external_computed_tokens)
         hit_blocks = len(new_computed_blocks) // self.stride
         self.num_cached_block[request_id] = hit_blocks
-        self._freed_up_to[request_id] = _first_window_block(hit_blocks * self.block_size, self.recent, self.block_size)
+        windows = self._windows.setdefault(request_id, _Windows())
+        windows.freed_up_to = self._window(hit_blocks).start
+        if hit_blocks:
+            windows.kept.append(self._window(hit_blocks))
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         """A page and a streaming page group for every new token block: a step stores all its tokens' K/V."""
@@ -149,21 +219,34 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
 
     def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None) -> None:
         """Free the streaming page groups of token blocks past the sink and wholly before the next query's window
-        (positions < processed_computed_tokens - recent + 1); their columns become the null block."""
+        (positions < processed_computed_tokens - recent + 1) that the request does not keep; their columns become
+        the null block. Retained groups stay cached; the others are freed uncached when no one else holds them."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks or self.stride == 1:
             return
+        windows = self._windows.setdefault(request_id, _Windows())
         end = min(_first_window_block(processed_computed_tokens, self.recent, self.block_size),
                   len(blocks) // self.stride)
-        start = max(self._freed_up_to.get(request_id, 0), self.sink_blocks)
-        freed = []
-        for column in (t * self.stride + j for t in range(start, end) for j in range(1, self.stride)):
-            if not blocks[column].is_null:
-                freed.append(blocks[column])
+        start = max(windows.freed_up_to, self.sink_blocks)
+        freed, useless = [], set()
+        for t in range(start, end):
+            if windows.keeps(t):
+                continue
+            for column in range(t * self.stride + 1, (t + 1) * self.stride):
+                block = blocks[column]
+                if block.is_null:
+                    continue
+                if windows.retains(t):
+                    windows.retained_freed.append((column, block, block.block_hash))
+                elif block.ref_cnt == 1:
+                    useless.add(block.block_id)
+                freed.append(block)
                 blocks[column] = self._null_block
+        if useless:
+            self.block_pool.evict_blocks(useless)
         if freed:
             self.block_pool.free_blocks(freed)
-        self._freed_up_to[request_id] = max(start, end)
+        windows.freed_up_to = max(start, end)
 
     def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None) -> None:
         """Hash the pages and the streaming blocks of the request's full token blocks (module docstring)."""
@@ -171,6 +254,9 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
             return
+        windows = self._windows.setdefault(request.request_id, _Windows())
+        if not windows.planned:
+            self._plan_windows(request, windows, num_cached)
         blocks = self.req_to_blocks[request.request_id]
         for kind in range(self.stride):
             self.block_pool.cache_full_blocks(request=request, blocks=blocks[kind::self.stride],
@@ -178,6 +264,39 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
                                               block_size=self.block_size,
                                               kv_cache_group_id=_hash_group(self.kv_cache_group_id, kind))
         self.num_cached_block[request.request_id] = num_full
+
+    def _plan_windows(self, request, windows: _Windows, hit_blocks: int) -> None:
+        """Before the request hashes its own pages: keep the window where its prompt leaves the pages other
+        requests cached (a shared prefix: the run of cached pages past its hit, whose window is gone) and the
+        window at the level where shared prefixes have lately ended; retain the windows of the other levels."""
+        from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+        windows.planned = True
+        prompt_blocks = (request.num_prompt_tokens - 1) // self.block_size  # the longest hit a prompt can have
+        hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, self.block_size)
+        shared = hit_blocks
+        while shared < prompt_blocks and self.block_pool.get_cached_block(hashes[shared], [self.kv_cache_group_id]):
+            shared += 1
+        if shared > hit_blocks:
+            windows.kept.append(self._window(shared))
+        if self._window(shared).start > self.sink_blocks:  # a shared prefix longer than the sink and a window
+            self._private_lengths.append(request.num_prompt_tokens - shared * self.block_size)
+        kept_level = self._kept_level()
+        for level in itertools.count():
+            end = prompt_blocks - (2 ** level * self.recent) // self.block_size
+            if end <= max(hit_blocks, self.sink_blocks) or self.recent == 0:
+                break
+            (windows.kept if level == kept_level else windows.retained).append(self._window(end))
+
+    def _kept_level(self) -> int:
+        """The level i whose window, 2^i recent tokens before a prompt's end, covers the median private part
+        (the tokens past the shared prefix) of recent prompts that shared one; level 1 until one has. The median,
+        not more: a few prompts that share only a short preamble must not move it off the documents' ends."""
+        if not self._private_lengths:
+            return 1
+        lengths = sorted(self._private_lengths)
+        typical = lengths[len(lengths) // 2]
+        return (cdiv(typical, self.recent) - 1).bit_length()
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
@@ -218,8 +337,17 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         return (hit,), k * bs
 
     def pop_blocks_for_free(self, request_id):
-        self._freed_up_to.pop(request_id, None)
-        return super().pop_blocks_for_free(request_id)
+        """The request's blocks, in the order vLLM frees them reversed (tail first), with the retained groups the
+        pool still caches back in their columns: they are queued with the pages they make reachable."""
+        windows = self._windows.pop(request_id, None)
+        blocks = super().pop_blocks_for_free(request_id)
+        if windows is not None and blocks:
+            requeued = [(column, block) for column, block, block_hash in windows.retained_freed
+                        if block.ref_cnt == 0 and block_hash is not None and block.block_hash == block_hash]
+            self.block_pool.touch([block for _, block in requeued])
+            for column, block in requeued:
+                blocks[column] = block
+        return blocks
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         return 0  # duo declines cascade attention
@@ -266,9 +394,9 @@ class PageLayout:
         return 1 + self.streaming_blocks
 
     def bytes_per_request(self, num_tokens: int, block_size: int, head_dim: int, dtype_bytes: int, sink: int,
-                          recent: int) -> int:
-        """KV bytes a request of `num_tokens` tokens holds between steps (`blocks_held`)."""
-        blocks = blocks_held(num_tokens, self.streaming_blocks, sink, recent, block_size)
+                          recent: int, kept: int = 0) -> int:
+        """KV bytes a request of `num_tokens` tokens holds between steps, keeping `kept` windows (`blocks_held`)."""
+        blocks = blocks_held(num_tokens, self.streaming_blocks, sink, recent, block_size, kept)
         row = sum(p * head_dim if p else STUB_HEAD_SIZE for p in self.page_heads)
         return blocks * block_size * 2 * row * dtype_bytes
 
