@@ -100,6 +100,14 @@ for stage in "$@"; do
     # pool, 1.4x dense fp8's), so dense queues while duo still fits them at fp8
     prefix_saturated) bench prefix-saturated --workloads chat_turns --set chat_turns.num_prompts=${CHATS:-64} \
         --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;
+    # issue 28: shared documents beyond dense's cache, `vllm bench throughput` over prefix_repetition prompts, dense
+    # then duo (ONLY=dense|duo for one of them); KV the cache dtype (fp8), DOCS x DOC_LEN tokens with PROMPTS
+    # questions (the issue's 40 x 20,000 and 320), each shape in a folder of its own
+    prefix_full) doc_len=${DOC_LEN:-20000}
+      bench prefix-full-${KV:-fp8}-${DOCS:-40}x${doc_len} --workloads shared_docs_full --kv-cache-dtype ${KV:-fp8} \
+        --set shared_docs_full.num_documents=${DOCS:-40} shared_docs_full.input_len=$doc_len \
+        shared_docs_full.num_prompts=${PROMPTS:-320} shared_docs_full.max_model_len=$((doc_len + 736)) \
+        ${ONLY:+--only $ONLY} ;;
     profile)  # issue 22: step times and torch profiles, dense then duo, the chat_turns shape (KV=auto|fp8); PROFILE_ARGS
       # changes the shape (e.g. "--batch 4 --context 1024") and PROFILE_TAG names its files
       for backend in dense duo; do

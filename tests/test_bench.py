@@ -130,18 +130,23 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
                      "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
     printed = capsys.readouterr().out
     commands = [line for line in printed.splitlines() if not line.startswith("#")]
-    # capacity 3 + (decode, prefill, short) 2 each + tpot 4 + ttft 2 + serve 2 x (server + 2 rates)
+    # capacity 3 + (decode, prefill, short, shared_docs_full) 2 each + tpot 4 + ttft 2 + serve 2 x (server + 2 rates)
     # + tpot_sweep 2 x (server + 5 prompt lengths) + short_itl 2 x (server + 2 prompt lengths x 3 runs)
     # + shared_docs 2 x (server + 2 rates) + chat_turns and repeat_32k 2 x (server + 1 client) each
-    assert len(commands) == 3 + 6 + 4 + 2 + 6 + 12 + 14 + 6 + 4 + 4
+    assert len(commands) == 3 + 8 + 4 + 2 + 6 + 12 + 14 + 6 + 4 + 4
     assert not (tmp_path / "dry").exists()
-    assert sum("bench throughput" in c for c in commands) == 9
+    assert sum("bench throughput" in c for c in commands) == 11
     assert sum("bench latency" in c for c in commands) == 6
     assert sum("bench serve" in c for c in commands) == 4 + 10 + 12 + 4 + 2
     assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2 + 2 + 2 + 6
     duo_config = '{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
-    # capacity, throughput x3, tpot x2, ttft, the six servers
-    assert sum(duo_config in c for c in commands) == 1 + 3 + 2 + 1 + 6
+    # capacity, throughput x4, tpot x2, ttft, the six servers
+    assert sum(duo_config in c for c in commands) == 1 + 4 + 2 + 1 + 6
+    full = [c for c in commands if "shared_docs_full__" in c]
+    assert len(full) == 2 and all(
+        "--dataset-name prefix_repetition --prefix-repetition-prefix-len 20000 --prefix-repetition-suffix-len 300 "
+        "--prefix-repetition-num-prefixes 40 --prefix-repetition-output-len 150 --num-prompts 320" in c
+        and "--enable-prefix-caching" in c for c in full)
     docs = [c for c in commands if "shared_docs__duo" in c and "bench serve" in c]
     assert all("--dataset-name prefix_repetition --prefix-repetition-prefix-len 24000" in c
                and "--prefix-repetition-num-prefixes 8" in c for c in docs)
@@ -217,6 +222,12 @@ def test_startup_figures_from_a_log():
            "tokens_per_second": 15540.7}
     assert logs.throughput_metrics(raw, log, workload)["output_tok_s"] == 492.3
     assert logs.throughput_metrics(raw, "", workload)["output_tok_s"] == pytest.approx(32 * 512 / 34.0)
+    assert "prefix_cache_hit_rate" not in logs.throughput_metrics(raw, log, workload)
+    # with the engine's stats lines: peak load, and vLLM's hit rate of the last one
+    stats = "\n".join(_stats_line(*row) for row in SERVER_STATS).replace("hit rate: 0.0%", "hit rate: 86.7%")
+    loaded = logs.throughput_metrics(raw, log + "\n" + stats, workload)
+    assert (loaded["peak_running"], loaded["peak_waiting"], loaded["peak_kv_usage_pct"]) == (28, 10, 98.1)
+    assert loaded["prefix_cache_hit_rate"] == pytest.approx(0.867)
 
 
 def _stats_line(clock: str, running: int, waiting: int, kv: float, extra: str = "") -> str:

@@ -20,6 +20,7 @@ _DTYPE = re.compile(r"\bdtype=torch\.(\w+)")
 _ENGINE_STATS = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d).*?Avg prompt throughput: ([\d.]+) tokens/s, Avg generation "
                            r"throughput: ([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs.*?"
                            r"KV cache usage: ([\d.]+)%")
+_HIT_RATE = re.compile(r"Prefix cache hit rate: ([\d.]+)%")
 
 
 def read_log(path: Path) -> str:
@@ -87,12 +88,20 @@ def engine_timeline(log: str, started_at: str, finished_at: str) -> list[EngineS
 
 
 def throughput_metrics(raw: dict, log: str, workload: Workload) -> dict:
+    """The run's rates; with vLLM's stats lines in the log, also its load and its last prefix-cache hit rate (vLLM's
+    rate over its most recent lookups)."""
     elapsed = raw["elapsed_time"]
     metrics = {"elapsed_s": elapsed, "requests_per_s": raw["requests_per_second"],
                "total_tok_s": raw["tokens_per_second"],
                "output_tok_s": raw["num_requests"] * workload.output_len / elapsed}
     if match := _THROUGHPUT.search(log):  # vLLM's own count of generated tokens
         metrics["output_tok_s"] = float(match.group(3))
+    if stats := [match.groups()[1:] for match in _ENGINE_STATS.finditer(log)]:
+        metrics["peak_running"] = max(int(running) for _, _, running, _, _ in stats)
+        metrics["peak_waiting"] = max(int(waiting) for _, _, _, waiting, _ in stats)
+        metrics["peak_kv_usage_pct"] = max(float(kv) for *_, kv in stats)
+    if rates := _HIT_RATE.findall(log):
+        metrics["prefix_cache_hit_rate"] = float(rates[-1]) / 100
     return metrics
 
 

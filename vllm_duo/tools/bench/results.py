@@ -37,7 +37,7 @@ class Results:
                   "kv_cache_dtype": variant.kv_cache_dtype, "phase": phase,
                   "input_len": workload.input_len,
                   "output_len": 1 if phase == "prefill" else workload.output_len,
-                  "num_prompts": workload.num_prompts, "batch_size": workload.batch_size,
+                  "num_prompts": workload.num_prompts, "batch_size": workload.batch_size, "dataset": workload.dataset,
                   "max_model_len": workload.max_model_len, "command": shlex.join(command),
                   "model": self.settings.model, "load_format": self.settings.load_format, **self.machine}
         if variant.is_duo:

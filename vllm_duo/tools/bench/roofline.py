@@ -160,6 +160,8 @@ class PhysicalModel:
             length = duo.get("max_concurrency_len") or duo["max_model_len"]
             return d.kv_reserved(length) / u.kv_reserved(length)
         if what == "throughput":
+            if duo.get("dataset", "random") != "random":  # the model knows no cache hits
+                return None
             n = duo["num_prompts"]
             return (d.throughput_s(n, i, o, d.batch_cap(dense, i + o))
                     / u.throughput_s(n, i, o, u.batch_cap(duo, i + o)))

@@ -46,17 +46,25 @@ def _capacity_cells(run: dict | None) -> list[str]:
 
 
 def throughput_table(index: RunIndex, workload: str) -> list[str]:
-    head = ("| backend | output tok/s | total tok/s | req/s | duo/dense | limit | reached | KV cache tokens "
-            "| max concurrency | wall s |")
+    """Rates against dense; where the engine logged its stats (shared documents), its hit rate and peak load."""
+    runs = [index.find(workload, backend, "main") for backend in index.backends(workload)]
+    loaded = any(metric(run, "peak_running") is not None for run in runs)
+    load_head = "| prefix cache hits | peak running | peak waiting | peak KV usage " if loaded else ""
+    head = ("| backend | output tok/s | total tok/s | req/s | duo/dense | limit | reached " + load_head
+            + "| KV cache tokens | max concurrency | wall s |")
     lines = [head, _separator(head)]
-    for backend in index.backends(workload):
-        run, dense = index.find(workload, backend, "main"), index.baseline(workload, backend, "main")
+    for backend, run in zip(index.backends(workload), runs):
+        dense = index.baseline(workload, backend, "main")
         value = metric(run, "output_tok_s")
         ratio = _ratio(value, metric(dense, "output_tok_s")) if not is_baseline(backend) else None
         limit = index.model.limit_speedup(dense, run, "throughput") if ok(run) else None
+        hits = metric(run, "prefix_cache_hit_rate")
+        load = (f"| {fmt(None if hits is None else 100 * hits, 1, '%')} | {fmt(metric(run, 'peak_running'), 0)} "
+                f"| {fmt(metric(run, 'peak_waiting'), 0)} | {fmt(metric(run, 'peak_kv_usage_pct'), 1, '%')} "
+                if loaded else "")
         lines.append(f"| {backend} | {_value_or_status(run, value)} | {fmt(metric(run, 'total_tok_s'))} "
                      f"| {fmt(metric(run, 'requests_per_s'), 2)} | {fmt(ratio, 2, 'x')} "
-                     f"| {fmt(limit, 2, 'x')} | {_reached(ratio, limit)} | "
+                     f"| {fmt(limit, 2, 'x')} | {_reached(ratio, limit)} " + load + "| "
                      + " | ".join(_capacity_cells(run)) + f" | {fmt((run or {}).get('wall_s'), 0)} |")
     return lines
 

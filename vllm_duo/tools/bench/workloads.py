@@ -63,9 +63,9 @@ class Workload:
         elif self.dataset == "documents":
             at_once = f", at most {self.max_concurrency} at once" if self.max_concurrency else ""
             rates = ", ".join(rate_text(r) for r in self.request_rates)
+            arrival = f" at {rates} req/s{at_once}" if self.kind == "serve" else ", all at once"
             shape = (f"{_prompts(self.num_prompts)}: {self.question_len}-token questions on {self.num_documents} "
-                     f"shared documents of {self.input_len:,} tokens, interleaved, / {self.output_len:,} out at "
-                     f"{rates} req/s{at_once}")
+                     f"shared documents of {self.input_len:,} tokens, shuffled, / {self.output_len:,} out{arrival}")
         elif self.dataset == "chat":
             shape = (f"{self.num_prompts} chats at once of {self.turns} turns: a {self.input_len:,}-token document, "
                      f"then {self.question_len}-token questions, each turn the whole conversation so far "
@@ -128,6 +128,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              measures="question answering over shared documents: each 24k-token document is prefilled once and its "
                       "other questions hit the prefix cache; output tok/s, TTFT and hit rate at a rate dense "
                       "sustains and one it does not"),
+    Workload("shared_docs_full", "throughput", 20736, 20000, 150, num_prompts=320, dataset="documents",
+             question_len=300, num_documents=40, engine_args=("--enable-prefix-caching",),
+             measures="shared documents beyond dense's cache: 40 documents of 20k tokens (800k tokens: dense's fp8 "
+                      "cache on an H100 holds 915k, its bf16 cache 463k, duo's twice that), 8 questions each, "
+                      "shuffled and sent at once; output tok/s, prefix-cache hit rate, running and waiting "
+                      "requests (vLLM's stats lines)"),
     Workload("chat_turns", "serve", 20000, 16000, 256, num_prompts=16, request_rates=(float("inf"),),
              dataset="chat", question_len=128, turns=6, engine_args=("--enable-prefix-caching",),
              measures="multi-turn chat over a 16k-token document: every turn resends the conversation, so all but "
