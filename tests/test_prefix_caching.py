@@ -76,7 +76,8 @@ def streaming_status(mgr, pool, req) -> str:
 
 def test_docstring_example_keeps_retains_and_uncaches():
     """kv_cache.py's diagram: a cold 60-token prompt after its prefill. Sink (0), window (13, 14) and the level-1
-    window (9, 10) stay; levels 0, 2, 3 (11-12, 6-7, 1) are freed but cached; the rest is freed uncached."""
+    window (9, 10) stay; the groups after it (11, 12) and the windows of levels 2 and 3 (6-7, 1) are freed but
+    cached; the rest is freed uncached."""
     mgr, _, pool = manager()
     free_before = pool.get_num_free_blocks()
     req = request("a", 15)
@@ -159,9 +160,9 @@ def test_kept_level_covers_the_private_parts_of_recent_prompts(private, level):
 
 
 def test_retained_groups_are_queued_again_with_the_pages():
-    """a's level-0 window (token blocks 21, 22) was freed when a's queries passed it, before a's pages. It is
-    queued again with them when a ends, so evicting everything freed before a's end leaves it: b, which shares
-    a's first 88 tokens, hits all of them."""
+    """a's groups of token blocks 21 and 22, near its prompt's end, were freed cached when a's queries passed them,
+    before a's pages. They are queued again with the pages when a ends, so evicting everything freed before a's
+    end leaves them: b, which shares a's first 88 tokens, hits all of them."""
     mgr, spec, pool = manager(num_blocks=256)
     a = request("a", 25)
     run_to(mgr, a, 100)

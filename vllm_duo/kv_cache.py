@@ -49,17 +49,19 @@ group (bs 4, sink 4, recent 6; a 60-token prompt of which nothing was cached, af
     sink         s
     window                                             w  w      the next query's window
     kept                                    k  k                 held to the end
-    retained        r              r  r           r  r           freed, cached; queued again at the end
-    uncached           x  x  x  x        x                       freed uncached: the pool reuses them first
+    retained        r              r  r  r        r  r           freed, cached; queued again at the end
+    uncached           x  x  x  x                                freed uncached: the pool reuses them first
 
 * kept: the windows before the request's hit end and before the end of the pages others cached
   for its prompt (a prefix it shares whose window is gone), and the window 2^L recent tokens before
   its prompt's end (rounded to blocks), L the level that covered the median private part, the
   tokens after a shared prefix, of recent prompts that shared one (L = 1 until one has).
-* retained: the windows of the other levels, 2^i recent tokens before the prompt's end: a later
-  prompt that leaves this one's at position P hits at the level below P, recomputing about twice
-  P's distance from the prompt's end at most, as long as the pool keeps them.
-* uncached: no hit can use them, so they do not push cached pages out.
+* retained: the windows of the other levels, 2^i recent tokens before the prompt's end, and every
+  group from the level-1 window to the end. A later prompt that leaves this one's in its last
+  2 recent tokens hits all of the prefix they share; further back, it hits up to the window below
+  its divergence and computes again at most about twice the distance from the end, as long as
+  the pool keeps them.
+* uncached: no hit we expect can use them, so they do not push cached pages out.
 
 A document shared by running requests thus stays reachable at their junctions for as long as they
 run. When a request ends, its retained groups still cached are queued again with its pages, tail
@@ -266,9 +268,10 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         self.num_cached_block[request.request_id] = num_full
 
     def _plan_windows(self, request, windows: _Windows, hit_blocks: int) -> None:
-        """Before the request hashes its own pages: keep the window where its prompt leaves the pages other
-        requests cached (a shared prefix: the run of cached pages past its hit, whose window is gone) and the
-        window at the level where shared prefixes have lately ended; retain the windows of the other levels."""
+        """Before the request hashes its own pages: keep the window where its prompt leaves the pages other requests
+        cached (a shared prefix: the run of cached pages past its hit, whose window is gone) and the window at the
+        level L where shared prefixes have lately ended; retain the windows of the other levels and every group
+        from the level-1 window on."""
         from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
         windows.planned = True
@@ -281,12 +284,16 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
             windows.kept.append(self._window(shared))
         if self._window(shared).start > self.sink_blocks:  # a shared prefix longer than the sink and a window
             self._private_lengths.append(request.num_prompt_tokens - shared * self.block_size)
+        if self.recent == 0:
+            return
         kept_level = self._kept_level()
         for level in itertools.count():
             end = prompt_blocks - (2 ** level * self.recent) // self.block_size
-            if end <= max(hit_blocks, self.sink_blocks) or self.recent == 0:
+            if end <= max(hit_blocks, self.sink_blocks):
                 break
             (windows.kept if level == kept_level else windows.retained).append(self._window(end))
+            if level == 1:  # and every group from there to the prompt's end
+                windows.retained.append(range(self._window(end).start, prompt_blocks))
 
     def _kept_level(self) -> int:
         """The level i whose window, 2^i recent tokens before a prompt's end, covers the median private part
