@@ -8,6 +8,8 @@ measures is what the cache decides: hit rate, prompt tokens computed (and comput
 waiting, preemptions, and cached pages that no hit can reach (their window is gone).
 
 The model is the Llama-3.1-8B shape of the GPU benchmarks with its bundled pattern: only the KV layout matters.
+The defaults (`ISSUE_TRACE`, `ISSUE_ENGINE`) are the trace of the GPU benchmark shared_docs_full on an H100's fp8
+cache.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import logging
+import math
 import random
 import tempfile
 from dataclasses import dataclass, field
@@ -29,7 +31,19 @@ LLAMA_31_8B = {
 }
 DUO = {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
 KV_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+BACKENDS = ("dense", "duo")
 BLOCK_SIZE = 16
+
+
+class CacheSimError(ValueError):
+    """A bad setting of `vllm-duo cache-sim`, found before any replay; the message is one line."""
+
+
+def _check_at_least(settings, minimum: int, *names: str) -> None:
+    """Each field in `names` is at least `minimum`; the message names the field as its command-line option."""
+    for name in names:
+        if getattr(settings, name) < minimum:
+            raise CacheSimError(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(settings, name)}")
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,21 @@ class Trace:
     arrivals_per_step: int = 0
     question_len_max: int = 0
     seed: int = 0
+
+    def __post_init__(self):
+        _check_at_least(self, 1, "documents", "document_len", "question_len", "output_len", "turns")
+        _check_at_least(self, 0, "system_len", "arrivals_per_step", "question_len_max")
+        if self.requests < self.documents:
+            raise CacheSimError(f"--requests ({self.requests}) is below --documents ({self.documents}): every "
+                                "document needs a question")
+        if 0 < self.question_len_max < self.question_len:
+            raise CacheSimError(f"--question-len-max ({self.question_len_max}) is below --question-len "
+                                f"({self.question_len})")
+
+    def longest_request(self) -> int:
+        """A bound on any request's tokens, its answer included: the last turn of a chat of longest questions."""
+        question = max(self.question_len, self.question_len_max)
+        return self.system_len + self.document_len + question + self.turns * (self.output_len + question) + BLOCK_SIZE
 
     def describe(self) -> str:
         system = f"{self.system_len:,}-token system prompt + " if self.system_len else ""
@@ -95,6 +124,20 @@ class Engine:
     max_num_seqs: int = 1024
     async_scheduling: bool = True
     duo: dict = field(default_factory=lambda: dict(DUO))
+
+    def __post_init__(self):
+        if self.kv_dtype not in KV_DTYPES:
+            raise CacheSimError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        _check_at_least(self, 1, "dense_kv_tokens", "max_num_seqs")
+        _check_at_least(self, 0, "max_model_len")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's own rule
+            raise CacheSimError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is below --max-num-seqs "
+                                f"({self.max_num_seqs})")
+
+
+ISSUE_TRACE = Trace("shared_docs_full", documents=40, document_len=20000, question_len=300, output_len=150,
+                    requests=320)
+ISSUE_ENGINE = Engine(dense_kv_tokens=915_000, kv_dtype="fp8")  # an H100's dense fp8 cache for Llama-3.1-8B
 
 
 @dataclass
@@ -200,9 +243,7 @@ def replay(backend: str, trace: Trace, engine: Engine, sample_every: int = 25) -
     from vllm.v1.request import Request
 
     prompts = trace.first_prompts()
-    longest = (max(map(len, prompts)) + trace.turns * (trace.output_len + max(trace.question_len, trace.question_len_max))
-               + BLOCK_SIZE)
-    scheduler = build_scheduler(backend, engine, engine.max_model_len or longest)
+    scheduler = build_scheduler(backend, engine, engine.max_model_len or trace.longest_request())
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     lookups = _Lookups(scheduler.kv_cache_manager)
@@ -231,6 +272,9 @@ def replay(backend: str, trace: Trace, engine: Engine, sample_every: int = 25) -
                     first_prompt_hashes[int(new.request_id.split(".")[0])] = list(new.block_hashes)
         if scheduler.has_unfinished_requests():
             output = scheduler.schedule()
+            if not output.num_scheduled_tokens and not in_flight:  # nothing runs, so nothing will ever be freed
+                raise CacheSimError(f"{backend}'s KV cache admits no waiting request (a prefill chunk's blocks must "
+                                    "fit): raise --dense-kv-tokens or lower --max-num-batched-tokens")
             steps += 1
             ids = list(output.num_scheduled_tokens)
             sampled = []
@@ -268,3 +312,65 @@ def replay(backend: str, trace: Trace, engine: Engine, sample_every: int = 25) -
     return Replay(backend, scheduler.kv_cache_manager.block_pool.num_gpu_blocks * BLOCK_SIZE,
                   len(prompts) * trace.turns, round(lookups.hit_rate(), 4), prompt_tokens, recomputed, steps,
                   round(running_sum / max(steps, 1), 1), peak_waiting, preemptions, unreachable, series)
+
+
+def _duo_plan(duo: dict):
+    """The plan the plugin will make of the `duo` settings for the Llama shape: bad settings raise PatternError
+    here, before any replay."""
+    from vllm_duo.config import DuoSettings, ModelShape, build_plan
+    from vllm_duo.pattern import resolve_pattern
+
+    settings = DuoSettings.from_additional_config({"duo": duo})
+    pattern, source = resolve_pattern(settings.pattern)
+    llama = LLAMA_31_8B
+    shape = ModelShape(name="Llama-3.1-8B shape", architecture=llama["architectures"][0],
+                       num_layers=llama["num_hidden_layers"], num_kv_heads=llama["num_key_value_heads"],
+                       num_heads=llama["num_attention_heads"], head_dim=llama["head_dim"])
+    return build_plan(settings, pattern, source, shape)
+
+
+def _check_fits(trace: Trace, engine: Engine, backends: list[str]) -> None:
+    """vLLM refuses a KV cache that cannot hold one request of the trace's longest: say so before any replay."""
+    longest = trace.longest_request()
+    needs = {"dense": -(-longest // BLOCK_SIZE) * BLOCK_SIZE}  # whole blocks
+    if "duo" in backends:  # duo's bytes for the request, as dense tokens (the ratio does not depend on the dtype)
+        ratio = _duo_plan(engine.duo).paged_capacity_ratio(longest, 1, BLOCK_SIZE, prefix_caching=True)
+        needs["duo"] = math.ceil(longest / ratio)
+    for backend in backends:
+        if engine.dense_kv_tokens < needs[backend]:
+            raise CacheSimError(f"--dense-kv-tokens {engine.dense_kv_tokens:,} cannot hold one request of the "
+                                f"trace's longest ({longest:,} tokens): {backend} needs {needs[backend]:,}")
+
+
+def compare(trace: Trace, engine: Engine, backends: list[str], json_path: str | None = None) -> str:
+    """`vllm-duo cache-sim`: replay `trace` with each backend, write the replays, the trace and the engine to
+    `json_path`, and return the table. Bad settings fail before any replay."""
+    unknown = [backend for backend in backends if backend not in BACKENDS]
+    if unknown:
+        raise CacheSimError(f"--backends: no backend {unknown[0]!r}; the backends are {', '.join(BACKENDS)}")
+    _check_fits(trace, engine, backends)
+    replays = [replay(backend, trace, engine) for backend in backends]
+    if json_path:
+        results = {"trace": dataclasses.asdict(trace), "engine": dataclasses.asdict(engine),
+                   "replays": [dataclasses.asdict(r) for r in replays]}
+        Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+    return (f"{trace.describe()}; KV cache of {engine.dense_kv_tokens:,} dense tokens ({engine.kv_dtype})\n\n"
+            + format_table(replays))
+
+
+def format_table(replays: list[Replay]) -> str:
+    """A markdown table, one row per replay, and a line comparing duo with dense when both ran."""
+    lines = ["| backend | KV cache tokens | hit rate | prompt tokens computed | recomputed tokens | steps | "
+             "mean running | peak waiting | preemptions | peak unreachable pages |",
+             "|---|" + "---:|" * 9]
+    for r in replays:
+        lines.append(f"| {r.backend} | {r.kv_tokens:,} | {r.hit_rate:.1%} | {r.prompt_tokens_computed:,} | "
+                     f"{r.recomputed_tokens:,} | {r.steps:,} | {r.mean_running:.1f} | {r.peak_waiting:,} | "
+                     f"{r.preemptions:,} | {r.peak_unreachable_pages:,} |")
+    by_backend = {r.backend: r for r in replays}
+    if {"dense", "duo"} <= by_backend.keys():
+        dense, duo = by_backend["dense"], by_backend["duo"]
+        lines.append(f"\nduo vs dense: hit rate {100 * (duo.hit_rate - dense.hit_rate):+.1f} points, prompt tokens "
+                     f"computed {duo.prompt_tokens_computed / dense.prompt_tokens_computed:.2f}x, steps "
+                     f"{duo.steps / dense.steps:.2f}x")
+    return "\n".join(lines)

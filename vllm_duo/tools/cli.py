@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from vllm_duo.pattern import PatternError
-from vllm_duo.tools import pattern_commands, zigzag
+from vllm_duo.tools import cache_sim, pattern_commands, zigzag
 from vllm_duo.tools.accuracy.eval_report import WeakReference
 from vllm_duo.tools.bench.command import command as run_bench
 from vllm_duo.tools.bench.workloads import WORKLOADS, BenchError
@@ -303,8 +304,71 @@ def _eval(args: argparse.Namespace) -> str:
     return evaluate.command(args)
 
 
+_TRACE_OPTIONS = (  # the fields of cache_sim.Trace that `vllm-duo cache-sim` takes, each an --option of its name
+    ("documents", "shared documents"),
+    ("document_len", "tokens per document"),
+    ("question_len", "tokens per question"),
+    ("question_len_max", "draw question lengths uniformly from --question-len up to this; 0: no draw"),
+    ("output_len", "tokens per answer"),
+    ("requests", "questions, spread evenly over the documents and shuffled"),
+    ("system_len", "tokens of a system prompt before every document"),
+    ("turns", "turns per request, each resending the conversation with a new question"),
+    ("arrivals_per_step", "requests sent per scheduler step; 0: all at once"),
+    ("seed", "seed of the tokens and their order"),
+)
+
+
+def _add_cache_sim_command(commands: _Subparsers) -> None:
+    trace, engine, duo = cache_sim.ISSUE_TRACE, cache_sim.ISSUE_ENGINE, cache_sim.DUO
+    parser = commands.add_parser(
+        "cache-sim", help="prefix caching under a full KV cache, dense vs duo, in vLLM's scheduler without a model",
+        description="Replay questions over shared documents through vLLM's own scheduler and KV cache manager, "
+                    "without a model (seconds on a CPU), for dense and duo at equal KV bytes, the Llama-3.1-8B "
+                    "shape; print hit rate, prompt tokens computed and computed again, steps, requests running and "
+                    "waiting, preemptions and cached pages no hit can reach. Defaults: the trace of the "
+                    f"shared_docs_full benchmark ({trace.describe()}) on an H100's fp8 cache.")
+    trace_args = parser.add_argument_group("trace")
+    for name, meaning in _TRACE_OPTIONS:
+        trace_args.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(trace, name),
+                                help=f"{meaning} (default %(default)s)")
+    engine_args = parser.add_argument_group("engine")
+    engine_args.add_argument("--dense-kv-tokens", type=int, default=engine.dense_kv_tokens,
+                             help="KV cache bytes, given as dense's token capacity (default %(default)s: an H100's "
+                                  "dense fp8 cache for Llama-3.1-8B)")
+    engine_args.add_argument("--kv-cache-dtype", default=engine.kv_dtype, metavar="|".join(cache_sim.KV_DTYPES),
+                             help="KV cache dtype (default %(default)s)")
+    engine_args.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens,
+                             help="tokens per scheduler step (default %(default)s)")
+    engine_args.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs,
+                             help="requests running at most (default %(default)s)")
+    engine_args.add_argument("--no-async-scheduling", action="store_true",
+                             help="schedule a step once the last one's output is in (default: one step ahead)")
+    duo_args = parser.add_argument_group("duo")
+    duo_args.add_argument("--pattern", default=duo["pattern"],
+                          help="head pattern for the Llama-3.1-8B shape (default %(default)s)")
+    duo_args.add_argument("--sparsity", type=float, default=duo["sparsity"],
+                          help="fraction of streaming heads (default %(default)s)")
+    duo_args.add_argument("--sink", type=int, default=duo["sink"], help="sink tokens (default %(default)s)")
+    duo_args.add_argument("--recent", type=int, default=duo["recent"], help="recent tokens (default %(default)s)")
+    parser.add_argument("--backends", nargs="+", default=list(cache_sim.BACKENDS), metavar="BACKEND",
+                        help=f"backends to replay (default: {' '.join(cache_sim.BACKENDS)})")
+    parser.add_argument("--json", metavar="OUT.json", help="write the replays, the trace and the engine")
+    parser.set_defaults(handler=_cache_sim)
+
+
+def _cache_sim(args: argparse.Namespace) -> str:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM logs to stdout, where the table goes
+    trace = cache_sim.Trace("cache-sim", **{name: getattr(args, name) for name, _ in _TRACE_OPTIONS})
+    engine = cache_sim.Engine(args.dense_kv_tokens, args.kv_cache_dtype,
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                              async_scheduling=not args.no_async_scheduling,
+                              duo={name: getattr(args, name) for name in cache_sim.DUO})
+    return cache_sim.compare(trace, engine, args.backends, args.json)
+
+
 _COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands, _add_bench_command,
-                                                         _add_identify_command, _add_eval_command)
+                                                         _add_identify_command, _add_eval_command,
+                                                         _add_cache_sim_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WeakReference as error:  # the eval ran, but its numbers cannot show a loss: printed, and exit code 3
         print(error)
         return 3
-    except (PatternError, BenchError) as error:
+    except (PatternError, BenchError, cache_sim.CacheSimError) as error:
         parser.exit(2, f"vllm-duo: error: {error}\n")
     except OSError as error:
         problem = f"{error.strerror}: {error.filename}" if error.filename else str(error)
