@@ -25,8 +25,7 @@ def test_reported_concurrency_matches_layout(smollm2_dir, sparsity, at_least):
     counts = HeadPattern.load(find_bundled("SmolLM2-135M-Instruct")).retrieval_counts(sparsity)
     layout = plan_page_layout(tuple(counts), tuple(KV_HEADS - c for c in counts), BLOCK)
     dense_bytes = MAX_MODEL_LEN * LAYERS * KV_HEADS * 2 * HEAD_DIM
-    # prefix caching is on (vLLM's default): a request also keeps one window for later hits (kv_cache.py)
-    predicted = dense_bytes / layout.bytes_per_request(MAX_MODEL_LEN, BLOCK, HEAD_DIM, 1, SINK, RECENT, kept=1)
+    predicted = dense_bytes / layout.bytes_per_request(MAX_MODEL_LEN, BLOCK, HEAD_DIM, 1, SINK, RECENT)
     measured = duo_cap.max_concurrency / dense.max_concurrency
     print(capacity.report(dense, duo_cap, MAX_MODEL_LEN))
     assert measured == pytest.approx(predicted, rel=0.02)

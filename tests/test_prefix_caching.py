@@ -74,11 +74,17 @@ def streaming_status(mgr, pool, req) -> str:
     return status
 
 
+def sharing(mgr, private: int = 12) -> None:
+    """As if a recent prompt had shared a prefix and gone on `private` tokens past it."""
+    mgr._recent_prompts.append(private)
+
+
 def test_docstring_example_keeps_retains_and_uncaches():
-    """kv_cache.py's diagram: a cold 60-token prompt after its prefill. Sink (0), window (13, 14) and the level-1
-    window (9, 10) stay; the groups after it (11, 12) and the windows of levels 2 and 3 (6-7, 1) are freed but
-    cached; the rest is freed uncached."""
+    """kv_cache.py's diagram: a cold 60-token prompt after its prefill, prefixes being shared. Sink (0), window
+    (13, 14) and the level-1 window (9, 10) stay; the groups after it (11, 12) and the windows of levels 2 and 3
+    (6-7, 1) are freed but cached; the rest is freed uncached."""
     mgr, _, pool = manager()
+    sharing(mgr)
     free_before = pool.get_num_free_blocks()
     req = request("a", 15)
     run_to(mgr, req, 60)
@@ -94,6 +100,19 @@ def test_docstring_example_keeps_retains_and_uncaches():
     cached = [b for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
     positions = [req.block_hashes.index(get_block_hash(b.block_hash)) for b in cached]
     assert positions == sorted(positions, reverse=True) and len(cached) == 15 + 10
+
+
+def test_without_sharing_a_request_keeps_no_window_and_queues_nothing_again():
+    """Where no recent prompt shared a prefix, the same prompt keeps only its sink and window (the level-1 window is
+    retained like the others), and its retained groups stay where the pool put them when they were freed."""
+    mgr, _, pool = manager()
+    req = request("a", 15)
+    run_to(mgr, req, 60)
+    mgr.remove_skipped_blocks("a", 60)
+    assert streaming_status(mgr, pool, req) == "xc----cc-ccccxx"
+    blocks = mgr.pop_blocks_for_free("a")
+    assert sum(not b.is_null for b in blocks[1::2]) == 3
+    pool.free_blocks(reversed(blocks))
 
 
 def test_hit_takes_pages_sink_and_window_groups_that_freed_blocks_still_hold():
@@ -164,6 +183,7 @@ def test_retained_groups_are_queued_again_with_the_pages():
     before a's pages. They are queued again with the pages when a ends, so evicting everything freed before a's
     end leaves them: b, which shares a's first 88 tokens, hits all of them."""
     mgr, spec, pool = manager(num_blocks=256)
+    sharing(mgr)
     a = request("a", 25)
     run_to(mgr, a, 100)
     mgr.remove_skipped_blocks("a", 100)
@@ -194,12 +214,14 @@ def test_hit_ends_before_an_evicted_group_it_would_need(evicted_group, length):
 
 
 def test_admission_counts_blocks_held_between_steps():
-    """The whole-prompt admission check counts pages and the groups of sink, window and the windows a request may
-    keep (at most 3, each 2 token blocks of a 6-token window here), not every group."""
+    """The whole-prompt admission check counts pages and the groups of sink and window, not every group; while
+    prefixes are being shared, also the three windows a request may keep (2 token blocks of a 6-token window each)."""
     mgr, spec, _ = manager(num_blocks=256, streaming_blocks=2)
-    tokens = 100  # 25 token blocks; groups held: 1 sink + 2 window blocks (95..99 seen from 100) + 3 x 2 kept
-    assert mgr.get_num_blocks_to_allocate("x", tokens, [], 0, 0, tokens, apply_admission_cap=True) == 25 + 2 * 9
+    tokens = 100  # 25 token blocks; groups held: 1 sink + 2 window blocks (95..99 seen from 100)
+    assert mgr.get_num_blocks_to_allocate("x", tokens, [], 0, 0, tokens, apply_admission_cap=True) == 25 + 2 * 3
     assert mgr.get_num_blocks_to_allocate("x", tokens, [], 0, 0, tokens) == 25 * 3
+    sharing(mgr)
+    assert mgr.get_num_blocks_to_allocate("x", tokens, [], 0, 0, tokens, apply_admission_cap=True) == 25 + 2 * 9
 
 
 # ---------------------------------------------------------------------------------------------------------------

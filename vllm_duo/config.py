@@ -132,13 +132,11 @@ class DuoPlan:
         dense, duo = self.kv_bytes_per_token(dtype_bytes)
         return dense * num_tokens / (duo * num_tokens + self.window_bytes(dtype_bytes))
 
-    def paged_capacity_ratio(self, num_tokens: int, dtype_bytes: int, block_size: int, tp_size: int = 1,
-                             prefix_caching: bool = False) -> float:
-        """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts (per rank);
-        with prefix caching a request keeps one more window (`DuoAttentionSpec.max_memory_usage_bytes`)."""
+    def paged_capacity_ratio(self, num_tokens: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> float:
+        """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts (per rank)."""
         layout = self.page_layout(block_size, tp_size)
         paged = layout.bytes_per_request(num_tokens, block_size, self.shape.head_dim, dtype_bytes, self.sink,
-                                         self.recent, kept=int(prefix_caching))
+                                         self.recent)
         local_heads = len(rank_kv_heads(self.shape.num_kv_heads, tp_size, 0))
         dense = self.shape.num_layers * local_heads * 2 * self.shape.head_dim * dtype_bytes * num_tokens
         return dense / paged
@@ -150,15 +148,13 @@ class DuoPlan:
             f"retrieval heads per layer {self.retrieval_counts}"
         )
 
-    def memory_summary(self, max_model_len: int, dtype_bytes: int, block_size: int, tp_size: int = 1,
-                       prefix_caching: bool = False) -> str:
+    def memory_summary(self, max_model_len: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> str:
         dense, duo = self.kv_bytes_per_token(dtype_bytes)
         return (
             f"duo: KV per token dense {_size(dense)} vs duo {_size(duo)} + {_size(self.window_bytes(dtype_bytes))} "
             f"streaming window per request ({dtype_bytes}-byte KV); expected capacity at max_model_len {max_model_len}: "
             f"{self.capacity_ratio(max_model_len, dtype_bytes):.2f}x dense ideally, "
-            f"{self.paged_capacity_ratio(max_model_len, dtype_bytes, block_size, tp_size, prefix_caching):.2f}x "
-            f"in duo's "
+            f"{self.paged_capacity_ratio(max_model_len, dtype_bytes, block_size, tp_size):.2f}x in duo's "
             f"{block_size}-token pages (what vLLM's Maximum concurrency counts)"
         )
 

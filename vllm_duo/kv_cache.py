@@ -30,7 +30,7 @@ With bs 4, sink 4, recent 6, a request at 21 tokens (its next query, 21, sees 0.
 
 So a request holds ceil(T / bs) pages plus the page groups of its sink and window (and, during a
 prefill chunk, of the chunk: a step stores all its tokens' K/V before it attends; with prefix
-caching, of up to three more windows, below), freed on finish, abort or preemption; vLLM's own
+caching, of up to two more windows, below), freed on finish, abort or preemption; vLLM's own
 "Maximum concurrency" counts them (`DuoAttentionSpec`).
 
 Prefix caching: r_t and each block of s_t are hashed with token block t's hash (the pages under
@@ -43,19 +43,21 @@ whose window survived is taken.
 
 So cached pages are worth something only while a window before some hit end survives with them,
 and a request cannot know where later prompts will leave its own. When its queries slide past a
-group (bs 4, sink 4, recent 6; a 60-token prompt of which nothing was cached, after its prefill):
+group (bs 4, sink 4, recent 6; a 60-token prompt of which nothing was cached, after its prefill,
+while other prompts have been sharing prefixes):
 
     token block  0  1  2  3  4  5  6  7  8  9  10 11 12 13 14
     sink         s
     window                                             w  w      the next query's window
     kept                                    k  k                 held to the end
-    retained        r              r  r  r        r  r           freed, cached; queued again at the end
-    uncached           x  x  x  x                                freed uncached: the pool reuses them first
+    retained        r              r  r           r  r           freed, cached; queued again at the end
+    uncached           x  x  x  x        x                       freed uncached: the pool reuses them first
 
-* kept: the windows before the request's hit end and before the end of the pages others cached
-  for its prompt (a prefix it shares whose window is gone), and the window 2^L recent tokens before
-  its prompt's end (rounded to blocks), L the level that covered the median private part, the
-  tokens after a shared prefix, of recent prompts that shared one (L = 1 until one has).
+* kept: the windows before the request's hit end and before the end of the pages others cached for
+  its prompt (a prefix it shares whose window is gone), and, while recent prompts have been sharing
+  prefixes, the window 2^L recent tokens before its prompt's end (rounded to blocks) if that lies
+  past its hit, L the level that covered the median private part, the tokens after the shared
+  prefix, of those prompts.
 * retained: the windows of the other levels, 2^i recent tokens before the prompt's end, and every
   group from the level-1 window to the end. A later prompt that leaves this one's in its last
   2 recent tokens hits all of the prefix they share; further back, it hits up to the window below
@@ -64,8 +66,10 @@ group (bs 4, sink 4, recent 6; a 60-token prompt of which nothing was cached, af
 * uncached: no hit we expect can use them, so they do not push cached pages out.
 
 A document shared by running requests thus stays reachable at their junctions for as long as they
-run. When a request ends, its retained groups still cached are queued again with its pages, tail
-first, so the pool evicts a document from its end, one reachable prefix after another.
+run. While prefixes are being shared, a request's retained groups still cached when it ends are
+queued again with its pages, tail first, so the pool evicts a document from its end, one reachable
+prefix after another. A workload that shares nothing pays for none of this: no kept window, no
+group queued again, and vLLM's "Maximum concurrency" counts none.
 """
 
 from __future__ import annotations
@@ -83,12 +87,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 # Hash ids of the streaming blocks of a page group (STREAMING_HASH_GROUP + j for block j): apart from vLLM's
 # KV cache group ids, which the retrieval pages use.
 STREAMING_HASH_GROUP = 1 << 20
-# Windows a request keeps to its end beyond its sink and current window (DuoKVCacheManager): one at a level before
-# its prompt's end, and those where it hit and where it left a prefix others cached. At most KEPT_WINDOWS, and one
-# for a prompt that shares nothing (what the capacity figures count). The level covers the median private part of
-# the last PRIVATE_LENGTHS prompts that shared a prefix.
+# Windows a request keeps to its end beyond its sink and current window (DuoKVCacheManager): where it hit, where it
+# left a prefix others cached, and one at a level before its prompt's end; at most KEPT_WINDOWS. The last
+# RECENT_PROMPTS prompts tell whether prefixes are being shared (else a request that hit nothing keeps nothing, and
+# the capacity figures count no kept window) and, by their median private part, the level.
 KEPT_WINDOWS = 3
-PRIVATE_LENGTHS = 64
+RECENT_PROMPTS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,9 +112,8 @@ class DuoAttentionSpec(FullAttentionSpec):
         return self.stride * cdiv(max_len, self.block_size)
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        kept = 1 if vllm_config.cache_config.enable_prefix_caching else 0  # a request that shares no prefix
         held = blocks_held(vllm_config.model_config.max_model_len, self.streaming_blocks, self.sink, self.recent,
-                           self.block_size, kept)
+                           self.block_size)
         return held * self.page_size_bytes
 
     @classmethod
@@ -131,11 +134,10 @@ def streaming_groups_held(num_tokens: int, sink: int, recent: int, block_size: i
     return min(blocks, held + kept * cdiv(max(recent - 1, 0), block_size))
 
 
-def blocks_held(num_tokens: int, streaming_blocks: int, sink: int, recent: int, block_size: int,
-                kept: int = 0) -> int:
+def blocks_held(num_tokens: int, streaming_blocks: int, sink: int, recent: int, block_size: int) -> int:
     """Blocks a request of `num_tokens` tokens holds between steps: its pages, and the `streaming_blocks`-block
-    page groups of `streaming_groups_held`."""
-    groups = streaming_groups_held(num_tokens, sink, recent, block_size, kept)
+    page groups of its sink and window (`streaming_groups_held`)."""
+    groups = streaming_groups_held(num_tokens, sink, recent, block_size)
     return cdiv(num_tokens, block_size) + streaming_blocks * groups
 
 
@@ -148,6 +150,7 @@ class _Windows:
     retained_freed: list[tuple[int, KVCacheBlock, object]] = field(default_factory=list)  # (column, block, hash)
     freed_up_to: int = 0  # token blocks below this are kept or freed
     planned: bool = False  # the prompt's windows are known (at its first cache_blocks)
+    requeue: bool = False  # queue the retained groups again with the pages at the end (a long enough prompt)
 
     def keeps(self, token_block: int) -> bool:
         return any(token_block in window for window in self.kept)
@@ -172,7 +175,8 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         self.sink_blocks = cdiv(kv_cache_spec.sink, self.block_size)
         self.recent = kv_cache_spec.recent
         self._windows: dict[str, _Windows] = {}
-        self._private_lengths: collections.deque[int] = collections.deque(maxlen=PRIVATE_LENGTHS)  # prompt tokens past a hit
+        # per recent prompt: its tokens past the prefix it shared with earlier ones (None: it shared none)
+        self._recent_prompts: collections.deque[int | None] = collections.deque(maxlen=RECENT_PROMPTS)
 
     def _window(self, end_block: int) -> range:
         """Token blocks past the sinks whose groups a hit of `end_block` token blocks needs."""
@@ -191,8 +195,9 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         token_blocks = cdiv(num_tokens, self.block_size)
         held = [*self.req_to_blocks.get(request_id, ()), *new_computed_blocks]
         if apply_admission_cap:  # blocks, not columns: a hit's null columns need none
-            groups = streaming_groups_held(num_tokens, self.kv_cache_spec.sink, self.recent, self.block_size,
-                                           KEPT_WINDOWS if self.enable_caching else 0)
+            hit = len(new_computed_blocks) > self.sink_blocks * self.stride
+            kept = KEPT_WINDOWS if self.enable_caching and (hit or self._sharing()) else 0
+            groups = streaming_groups_held(num_tokens, self.kv_cache_spec.sink, self.recent, self.block_size, kept)
             missing = token_blocks + (self.stride - 1) * groups - sum(not b.is_null for b in held)
         else:  # columns: allocate_new_blocks fills every one past the held ones
             missing = token_blocks * self.stride - len(held)
@@ -206,7 +211,7 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         self.num_cached_block[request_id] = hit_blocks
         windows = self._windows.setdefault(request_id, _Windows())
         windows.freed_up_to = self._window(hit_blocks).start
-        if hit_blocks:
+        if hit_blocks > self.sink_blocks:
             windows.kept.append(self._window(hit_blocks))
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
@@ -269,9 +274,9 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
 
     def _plan_windows(self, request, windows: _Windows, hit_blocks: int) -> None:
         """Before the request hashes its own pages: keep the window where its prompt leaves the pages other requests
-        cached (a shared prefix: the run of cached pages past its hit, whose window is gone) and the window at the
-        level L where shared prefixes have lately ended; retain the windows of the other levels and every group
-        from the level-1 window on."""
+        cached (a shared prefix: the run of cached pages past its hit, whose window is gone); while prefixes are
+        being shared, keep the window at the level L where shared prefixes have lately ended; retain the windows of
+        the other levels and every group from the level-1 window on."""
         from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
         windows.planned = True
@@ -282,26 +287,27 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
             shared += 1
         if shared > hit_blocks:
             windows.kept.append(self._window(shared))
-        if self._window(shared).start > self.sink_blocks:  # a shared prefix longer than the sink and a window
-            self._private_lengths.append(request.num_prompt_tokens - shared * self.block_size)
-        if self.recent == 0:
-            return
-        kept_level = self._kept_level()
+        shares = self._window(shared).start > self.sink_blocks  # a shared prefix longer than the sink and a window
+        self._recent_prompts.append(request.num_prompt_tokens - shared * self.block_size if shares else None)
+        windows.requeue = self._sharing()
+        kept_level = self._kept_level() if self._sharing() else None
         for level in itertools.count():
             end = prompt_blocks - (2 ** level * self.recent) // self.block_size
-            if end <= max(hit_blocks, self.sink_blocks):
+            if end <= max(hit_blocks, self.sink_blocks) or self.recent == 0:
                 break
             (windows.kept if level == kept_level else windows.retained).append(self._window(end))
             if level == 1:  # and every group from there to the prompt's end
                 windows.retained.append(range(self._window(end).start, prompt_blocks))
 
+    def _sharing(self) -> bool:
+        """Whether any recent prompt shared a prefix longer than the sink and a window with an earlier one."""
+        return any(length is not None for length in self._recent_prompts)
+
     def _kept_level(self) -> int:
         """The level i whose window, 2^i recent tokens before a prompt's end, covers the median private part
-        (the tokens past the shared prefix) of recent prompts that shared one; level 1 until one has. The median,
-        not more: a few prompts that share only a short preamble must not move it off the documents' ends."""
-        if not self._private_lengths:
-            return 1
-        lengths = sorted(self._private_lengths)
+        (the tokens after the shared prefix) of the recent prompts that shared one. The median, not more: a few
+        prompts that share only a short preamble must not move it off the documents' ends."""
+        lengths = sorted(length for length in self._recent_prompts if length is not None)
         typical = lengths[len(lengths) // 2]
         return (cdiv(typical, self.recent) - 1).bit_length()
 
@@ -348,7 +354,7 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         pool still caches back in their columns: they are queued with the pages they make reachable."""
         windows = self._windows.pop(request_id, None)
         blocks = super().pop_blocks_for_free(request_id)
-        if windows is not None and blocks:
+        if windows is not None and windows.requeue and blocks:
             requeued = [(column, block) for column, block, block_hash in windows.retained_freed
                         if block.ref_cnt == 0 and block_hash is not None and block.block_hash == block_hash]
             self.block_pool.touch([block for _, block in requeued])
@@ -401,9 +407,9 @@ class PageLayout:
         return 1 + self.streaming_blocks
 
     def bytes_per_request(self, num_tokens: int, block_size: int, head_dim: int, dtype_bytes: int, sink: int,
-                          recent: int, kept: int = 0) -> int:
-        """KV bytes a request of `num_tokens` tokens holds between steps, keeping `kept` windows (`blocks_held`)."""
-        blocks = blocks_held(num_tokens, self.streaming_blocks, sink, recent, block_size, kept)
+                          recent: int) -> int:
+        """KV bytes a request of `num_tokens` tokens holds between steps (`blocks_held`)."""
+        blocks = blocks_held(num_tokens, self.streaming_blocks, sink, recent, block_size)
         row = sum(p * head_dim if p else STUB_HEAD_SIZE for p in self.page_heads)
         return blocks * block_size * 2 * row * dtype_bytes
 

@@ -55,7 +55,7 @@ class DuoPlatformMixin:
         logger.info(plan.summary())
         kv_dtype = kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, vllm_config.model_config)
         logger.info(plan.memory_summary(vllm_config.model_config.max_model_len, get_dtype_size(kv_dtype),
-                                        cache_config.block_size, tp_size, bool(cache_config.enable_prefix_caching)))
+                                        cache_config.block_size, tp_size))
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:

@@ -334,7 +334,7 @@ def _check_fits(trace: Trace, engine: Engine, backends: list[str]) -> None:
     longest = trace.longest_request()
     needs = {"dense": -(-longest // BLOCK_SIZE) * BLOCK_SIZE}  # whole blocks
     if "duo" in backends:  # duo's bytes for the request, as dense tokens (the ratio does not depend on the dtype)
-        ratio = _duo_plan(engine.duo).paged_capacity_ratio(longest, 1, BLOCK_SIZE, prefix_caching=True)
+        ratio = _duo_plan(engine.duo).paged_capacity_ratio(longest, 1, BLOCK_SIZE)
         needs["duo"] = math.ceil(longest / ratio)
     for backend in backends:
         if engine.dense_kv_tokens < needs[backend]:
