@@ -89,8 +89,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 STREAMING_HASH_GROUP = 1 << 20
 # Windows a request keeps to its end beyond its sink and current window (DuoKVCacheManager): where it hit, where it
 # left a prefix others cached, and one at a level before its prompt's end; at most KEPT_WINDOWS. The last
-# RECENT_PROMPTS prompts tell whether prefixes are being shared (else a request that hit nothing keeps nothing, and
-# the capacity figures count no kept window) and, by their median private part, the level.
+# RECENT_PROMPTS prompts tell whether prefixes are being shared (else no level window is kept and no retained group
+# queued again: a workload that shares nothing pays nothing, and the capacity figures count no kept window) and, by
+# their median private part, the level.
 KEPT_WINDOWS = 3
 RECENT_PROMPTS = 64
 
@@ -150,7 +151,7 @@ class _Windows:
     retained_freed: list[tuple[int, KVCacheBlock, object]] = field(default_factory=list)  # (column, block, hash)
     freed_up_to: int = 0  # token blocks below this are kept or freed
     planned: bool = False  # the prompt's windows are known (at its first cache_blocks)
-    requeue: bool = False  # queue the retained groups again with the pages at the end (a long enough prompt)
+    requeue: bool = False  # queue the retained groups again with the pages at the end (prefixes are shared)
 
     def keeps(self, token_block: int) -> bool:
         return any(token_block in window for window in self.kept)
