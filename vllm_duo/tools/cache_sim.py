@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -158,10 +159,13 @@ class Replay:
     series: list = field(default_factory=list)  # (step, running, waiting, KV usage, unreachable pages)
 
 
-def _model_dir() -> str:
-    folder = Path(tempfile.mkdtemp(prefix="vllm-duo-sim-"))
-    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    return str(folder)
+@functools.cache
+def _model_folder() -> tempfile.TemporaryDirectory:
+    """A folder holding the model's config.json alone (all that vLLM reads of a model here), one per process and
+    removed at its exit."""
+    folder = tempfile.TemporaryDirectory(prefix="vllm-duo-sim-")
+    (Path(folder.name) / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    return folder
 
 
 def build_scheduler(backend: str, engine: Engine, max_model_len: int):
@@ -174,7 +178,7 @@ def build_scheduler(backend: str, engine: Engine, max_model_len: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    args = dict(model=_model_dir(), skip_tokenizer_init=True, max_model_len=max_model_len, block_size=BLOCK_SIZE,
+    args = dict(model=_model_folder().name, skip_tokenizer_init=True, max_model_len=max_model_len, block_size=BLOCK_SIZE,
                 max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
                 enable_prefix_caching=True, async_scheduling=engine.async_scheduling)
     if backend == "duo":
