@@ -201,7 +201,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             block_table=block_table,
             retrieval_table=retrieval_table,
             query_start_loc_host=cam.query_start_loc_cpu[: num_reqs + 1].tolist() if on_host else None,
-            seq_lens_host=cam.seq_lens_cpu[:num_reqs].tolist() if on_host else None,
+            seq_lens_host=cam.seq_lens[:num_reqs].tolist() if on_host else None,
             flash_schedules={},
         )
 
