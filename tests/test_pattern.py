@@ -16,14 +16,13 @@ from vllm_duo.tools.cli import main
 from vllm_duo.tools.pattern_commands import kv_footprint
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE_DIR = REPO.parent / "shared" / "reference-patterns"
+REFERENCE_DIR = REPO / "tests" / "fixtures" / "reference-patterns"  # the duo-attention reference folders, MIT
 SHIPPED = sorted((REPO / "patterns").glob("*.json"))
 # the six converted from the DuoAttention reference; the rest (SmolLM2) were made here
 REFERENCE_SHIPPED = [path for path in SHIPPED if (REFERENCE_DIR / path.stem).is_dir()]
-needs_reference = pytest.mark.skipif(not REFERENCE_DIR.is_dir(), reason=f"{REFERENCE_DIR} is not there")
 
-# /work/shared/reference-patterns/README.md, "Per-layer number of heads strictly above the global median": with no
-# gate equal to the median, these are the per-layer retrieval counts at sparsity 0.5.
+# The reference folders' per-layer number of heads strictly above the global median: with no gate equal to the
+# median, these are the per-layer retrieval counts at sparsity 0.5.
 README_COUNTS_ABOVE_MEDIAN = {
     "Llama-2-7B-32K-Instruct": [12, 21, 4, 10, 4, 11, 14, 13, 14, 13, 18, 17, 18, 19, 23, 20,
                                 21, 20, 21, 19, 19, 15, 20, 9, 17, 14, 20, 9, 12, 15, 22, 28],
@@ -177,7 +176,7 @@ def test_ties_go_to_lower_layer_then_lower_head():
 
 def test_shipped_patterns_exist():
     assert [path.stem for path in SHIPPED] == sorted(bundled_patterns())
-    assert len(SHIPPED) == 7
+    assert len(SHIPPED) == 7 and len(REFERENCE_SHIPPED) == 6
     assert "SmolLM2-135M-Instruct" in bundled_patterns()
 
 
@@ -232,7 +231,6 @@ def test_kv_footprint():
     assert short.duo_slots == 10 * 2 + 10 * 6
 
 
-@needs_reference
 @pytest.mark.parametrize("path", REFERENCE_SHIPPED, ids=[path.stem for path in REFERENCE_SHIPPED])
 def test_reference_import_equals_shipped(path):
     shipped = HeadPattern.load(path)
@@ -243,7 +241,6 @@ def test_reference_import_equals_shipped(path):
     assert "sink_size=128, recent_size=256" in imported.provenance.notes
 
 
-@needs_reference
 def test_reference_import_needs_shape_for_unknown_model(tmp_path):
     folder = tmp_path / "my-run"
     shutil.copytree(REFERENCE_DIR / "Mistral-7B-Instruct-v0.3", folder)
@@ -279,7 +276,6 @@ class TestResolvePattern:
         assert resolve_pattern("Mistral-7B-Instruct-v0.3", "x")[0].model.name == "Mistral-7B-Instruct-v0.3"
         assert resolve_pattern("mistralai/Mistral-7B-Instruct-v0.3", "x")[0].model.name == "Mistral-7B-Instruct-v0.3"
 
-    @needs_reference
     def test_reference_folder_wins_over_bundled_name(self, tmp_path, monkeypatch):
         # A folder named like a bundled pattern, holding another model's gates: the folder is used.
         shutil.copytree(REFERENCE_DIR / "Mistral-7B-Instruct-v0.3", tmp_path / "Meta-Llama-3.1-8B-Instruct")
@@ -324,7 +320,6 @@ def test_cli_show(capsys, tmp_path):
     assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@needs_reference
 def test_cli_convert_then_validate(capsys, tmp_path):
     out = tmp_path / "l31.json"
     assert main(["pattern", "convert", str(REFERENCE_DIR / "Meta-Llama-3.1-8B-Instruct"), "-o", str(out),
