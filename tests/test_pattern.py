@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_duo.pattern import (HeadPattern, PatternError, bundled_patterns, find_bundled, pattern_from_reference_dir,
-                              read_hf_config, resolve_pattern)
+from vllm_duo.pattern import (FIELD_VALUES, HeadPattern, ModelInfo, PatternError, Provenance, bundled_patterns,
+                              find_bundled, pattern_from_reference_dir, read_hf_config, resolve_pattern)
 from vllm_duo.tools.cli import main
 from vllm_duo.tools.pattern_commands import kv_footprint
 
@@ -73,43 +73,65 @@ def set_gate(value):
     return lambda data: data["gates"][0].__setitem__(1, value)
 
 
-# (id, file content: str as is or a dict to dump, check_model arguments or None, words the message must name)
+MISTRAL_REFERENCE = REFERENCE_DIR / "Mistral-7B-Instruct-v0.3"
+
+# (id, file content: str as is, a dict to dump, or a Path loaded as is; check_model arguments or None; words the
+# message must hold: the field and what to change, `vllm-duo pattern convert` only for a file of the reference format)
 BAD_INPUTS = [
-    ("not_json", "{not json", None, ["not JSON"]),
-    ("empty_file", "", None, ["not JSON"]),
-    ("json_array", [], None, ["top level"]),
-    ("missing_field", edited(lambda d: d.pop("sink")), None, ["`sink`", "missing"]),
-    ("missing_model_field", edited(lambda d: d["model"].pop("head_dim")), None, ["model.head_dim"]),
-    ("unknown_field", edited(lambda d: d.update(threshold=0.5)), None, ["unknown field `threshold`"]),
-    ("unknown_model_field", edited(lambda d: d["model"].update(layers=2)), None, ["model.layers"]),
-    ("wrong_schema_version", edited(lambda d: d.update(schema_version=2)), None, ["schema_version", "2"]),
-    ("zero_layers", edited(lambda d: d["model"].update(num_layers=0)), None, ["model.num_layers"]),
-    ("gate_rows_vs_layers", edited(lambda d: d["gates"].pop()), None, ["gates", "num_layers"]),
-    ("ragged_rows", edited(lambda d: d["gates"][1].pop()), None, ["gates[1]", "num_kv_heads"]),
-    ("nan_gate", edited(set_gate(float("nan"))), None, ["gates[0][1]", "nan"]),
-    ("inf_gate", edited(set_gate(float("inf"))), None, ["gates[0][1]", "inf"]),
-    ("gate_1.5", edited(set_gate(1.5)), None, ["gates[0][1]", "1.5"]),
-    ("gate_-0.5", edited(set_gate(-0.5)), None, ["gates[0][1]", "-0.5"]),
-    ("gate_string", edited(set_gate("0.5")), None, ["gates[0][1]", "'0.5'"]),
-    ("sparsity_1.2", edited(lambda d: d.update(sparsity=1.2)), None, ["sparsity", "1.2"]),
-    ("sparsity_-0.1", edited(lambda d: d.update(sparsity=-0.1)), None, ["sparsity", "-0.1"]),
-    ("gates_without_sparsity", edited(lambda d: d.pop("sparsity")), None, ["sparsity", "missing"]),
-    ("negative_sink", edited(lambda d: d.update(sink=-1)), None, ["sink", "-1"]),
-    ("sink_and_recent_zero", edited(lambda d: d.update(sink=0, recent=0)), None, ["sink", "recent"]),
-    ("neither_gates_nor_mask", edited(lambda d: d.pop("gates")), None, ["gates", "retrieval_mask"]),
+    ("not_json", "{not json", None, ["not JSON", "line 1 column 2", "fix the JSON syntax"]),
+    ("empty_file", "", None, ["is empty", "a JSON object with the fields schema_version, model, gates"]),
+    ("json_array", [], None, ["top level", "a JSON object with the fields schema_version, model, gates"]),
+    ("missing_field", edited(lambda d: d.pop("sink")), None, ["`sink` is missing", "a whole number of tokens"]),
+    ("missing_model_field", edited(lambda d: d["model"].pop("head_dim")), None,
+     ["model.head_dim", "a positive integer"]),
+    ("unknown_field", edited(lambda d: d.update(threshold=0.5)), None,
+     ["unknown field `threshold`", "the fields are schema_version, model, gates"]),
+    ("unknown_model_field", edited(lambda d: d["model"].update(layers=2)), None,
+     ["model.layers", "the fields of `model` are name, aliases, architecture, num_layers"]),
+    ("wrong_schema_version", edited(lambda d: d.update(schema_version=2)), None, ["schema_version 2", "reads 1"]),
+    ("model_not_object", edited(lambda d: d.update(model="Tiny")), None, ["`model` = 'Tiny'", "an object with name"]),
+    ("zero_layers", edited(lambda d: d["model"].update(num_layers=0)), None,
+     ["model.num_layers", "a positive integer, the model's num_hidden_layers"]),
+    ("aliases_string", edited(lambda d: d["model"].update(aliases="org/Tiny")), None,
+     ["model.aliases", "a list of strings"]),
+    ("gate_rows_vs_layers", edited(lambda d: d["gates"].pop()), None, ["gates", "num_layers", "one row per layer"]),
+    ("ragged_rows", edited(lambda d: d["gates"][1].pop()), None,
+     ["gates[1]", "num_kv_heads", "one entry per KV head"]),
+    ("nan_gate", edited(set_gate(float("nan"))), None, ["gates[0][1]", "nan", "[0, 1]"]),
+    ("inf_gate", edited(set_gate(float("inf"))), None, ["gates[0][1]", "inf", "[0, 1]"]),
+    ("gate_1.5", edited(set_gate(1.5)), None, ["gates[0][1]", "1.5", "[0, 1]"]),
+    ("gate_-0.5", edited(set_gate(-0.5)), None, ["gates[0][1]", "-0.5", "[0, 1]"]),
+    ("gate_string", edited(set_gate("0.5")), None, ["gates[0][1]", "'0.5'", "number in [0, 1] per KV head"]),
+    ("sparsity_1.2", edited(lambda d: d.update(sparsity=1.2)), None, ["sparsity", "1.2", "a number in [0, 1]"]),
+    ("sparsity_-0.1", edited(lambda d: d.update(sparsity=-0.1)), None, ["sparsity", "-0.1", "a number in [0, 1]"]),
+    ("gates_without_sparsity", edited(lambda d: d.pop("sparsity")), None,
+     ["sparsity", "missing", "a number in [0, 1]"]),
+    ("negative_sink", edited(lambda d: d.update(sink=-1)), None, ["sink", "-1", "0 or more"]),
+    ("fractional_sink", edited(lambda d: d.update(sink=64.5)), None, ["sink", "64.5", "a whole number of tokens"]),
+    ("sink_and_recent_zero", edited(lambda d: d.update(sink=0, recent=0)), None, ["sink", "recent", "above 0"]),
+    ("layer_exclusive_string", edited(lambda d: d.update(layer_exclusive="yes")), None,
+     ["layer_exclusive", "true or false"]),
+    ("neither_gates_nor_mask", edited(lambda d: d.pop("gates")), None, ["gates", "retrieval_mask", "at least one"]),
     ("mask_value_2", edited(lambda d: d.update(retrieval_mask=[[2, 0, 1, 1], [0, 0, 1, 1]])), None,
-     ["retrieval_mask[0][0]", "2"]),
+     ["retrieval_mask[0][0]", "2", "0 or 1"]),
     ("mask_contradicts_sparsity", edited(lambda d: d.update(retrieval_mask=[[1, 1, 1, 1], [1, 1, 1, 0]])), None,
-     ["sparsity", "0.5", "retrieval_mask"]),
-    ("layers_vs_model", small_pattern(), ("LlamaForCausalLM", 30, 4, 64), ["2 layers", "30"]),
-    ("kv_heads_vs_model", small_pattern(), ("LlamaForCausalLM", 2, 8, 64), ["4 KV heads", "8"]),
+     ["sparsity", "0.5", "retrieval_mask", "remove it"]),
+    ("layers_vs_model", small_pattern(), ("LlamaForCausalLM", 30, 4, 64), ["2 layers", "30", "vllm-duo identify"]),
+    ("kv_heads_vs_model", small_pattern(), ("LlamaForCausalLM", 2, 8, 64), ["4 KV heads", "8", "vllm-duo identify"]),
+    ("reference_config", MISTRAL_REFERENCE / "config.json", None,
+     ["reference folder", f"vllm-duo pattern convert {MISTRAL_REFERENCE} -o"]),
+    ("reference_gates", MISTRAL_REFERENCE / "full_attention_heads.tsv", None,
+     ["reference folder", f"vllm-duo pattern convert {MISTRAL_REFERENCE} -o"]),
 ]
 
 
 @pytest.mark.parametrize("content, model, named", [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_one_line_pattern_error(tmp_path, content, model, named):
-    path = tmp_path / "pattern.json"
-    path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+    if isinstance(content, Path):
+        path = content
+    else:
+        path = tmp_path / "pattern.json"
+        path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
     with pytest.raises(PatternError) as caught:
         pattern = HeadPattern.load(path)
         if model is not None:
@@ -117,8 +139,15 @@ def test_bad_input_is_one_line_pattern_error(tmp_path, content, model, named):
     message = str(caught.value)
     assert "\n" not in message
     assert str(path) in message
-    for word in named:
-        assert word in message
+    for words in named:
+        assert words in message, words
+    assert ("convert" in message) == isinstance(content, Path)
+
+
+def test_every_field_says_what_it_holds():
+    """The messages about a hand-edited file take what a field holds from FIELD_VALUES: it must know every field."""
+    assert set(FIELD_VALUES) == {*HeadPattern.model_fields, *(f"model.{name}" for name in ModelInfo.model_fields),
+                                 *(f"provenance.{name}" for name in Provenance.model_fields)}
 
 
 def test_missing_file_is_pattern_error(tmp_path):
@@ -250,6 +279,7 @@ def test_reference_import_needs_shape_for_unknown_model(tmp_path):
     from_config = pattern_from_reference_dir(folder, model_config=write_hf_config(tmp_path / "model"))
     assert from_args.model.name == "my-run"
     assert from_config.model.architecture == "LlamaForCausalLM"
+    assert main(["pattern", "validate", str(folder), "--model", str(tmp_path / "model")]) == 0
     with pytest.raises(PatternError, match="30 x 8"):
         pattern_from_reference_dir(folder, model_config=write_hf_config(tmp_path / "other", num_layers=30))
 
@@ -339,12 +369,15 @@ def test_cli_convert_then_validate(capsys, tmp_path):
     (["pattern", "validate", "Meta-Llama-3.1-8B-Instruct", "--model", "/no/such/model"], "cannot read"),
     (["pattern", "convert", "/no/such/folder", "-o", "OUT"], "has no full_attention_heads.tsv"),
     (["pattern", "show", "BAD_JSON"], "is not JSON"),
+    (["pattern", "validate", "REFERENCE/config.json"], "convert it once with `vllm-duo pattern convert "),
+    (["pattern", "convert", "REFERENCE", "-o", "OUT", "--sparsity", "1.5"], "`sparsity` must be a number in [0, 1]"),
 ])
 def test_cli_user_error_is_one_line_exit_2(capsys, tmp_path, argv, named):
     write_hf_config(tmp_path / "model30", num_layers=30)
     (tmp_path / "bad.json").write_text("{", encoding="utf-8")
     replacements = {"MODEL30": str(tmp_path / "model30"), "BAD_JSON": str(tmp_path / "bad.json"),
-                    "OUT": str(tmp_path / "out.json")}
+                    "OUT": str(tmp_path / "out.json"), "REFERENCE": str(MISTRAL_REFERENCE),
+                    "REFERENCE/config.json": str(MISTRAL_REFERENCE / "config.json")}
     with pytest.raises(SystemExit) as caught:
         main([replacements.get(arg, arg) for arg in argv])
     assert caught.value.code == 2

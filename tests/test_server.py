@@ -112,7 +112,7 @@ def _malformed_pattern(tmp_path: Path) -> dict:
 
 BAD_SETTINGS = {  # case: (duo settings from tmp_path, what the last line of stderr must say after the class name)
     "malformed pattern file": (
-        _malformed_pattern, r"pattern \S+broken\.json is not JSON .*: fix the file"),
+        _malformed_pattern, r"pattern \S+broken\.json is not JSON .*: fix the JSON syntax there"),
     "pattern of another model": (
         lambda _: {"pattern": "Meta-Llama-3.1-8B-Instruct"},
         r"pattern \S+Meta-Llama-3\.1-8B-Instruct\.json has 32 layers x 8 KV heads x head_dim 128 but model "

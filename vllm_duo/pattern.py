@@ -22,7 +22,6 @@ REFERENCE_METHOD = "DuoAttention gate optimization (reference training run)"
 GATE_TOLERANCE = 0.01
 # s * (N - 1) is computed in floating point; 0.7 * 10 == 7.000000000000001 must still count as 7 streaming heads.
 _CEIL_EPSILON = 1e-9
-_FIX_FILE = "fix the file or regenerate it with `vllm-duo pattern convert`"
 _FIX_MODEL = "use the pattern made for this model or run `vllm-duo identify`"
 
 
@@ -37,6 +36,33 @@ class AttentionShape(NamedTuple):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+# What each field of a pattern file holds, for the messages about a hand-edited one; `gates[0][1]` is under "gates".
+FIELD_VALUES = {
+    "schema_version": f"{SCHEMA_VERSION}",
+    "model": "an object with name, aliases, architecture, num_layers, num_kv_heads and head_dim",
+    "model.name": 'a non-empty string (e.g. "Llama-3.1-8B-Instruct")',
+    "model.aliases": 'a list of strings (e.g. ["meta-llama/Llama-3.1-8B-Instruct"])',
+    "model.architecture": 'a non-empty string (e.g. "LlamaForCausalLM")',
+    "model.num_layers": "a positive integer, the model's num_hidden_layers",
+    "model.num_kv_heads": "a positive integer, the model's num_key_value_heads",
+    "model.head_dim": "a positive integer (e.g. 128)",
+    "gates": "a list of rows, one per layer, of one number in [0, 1] per KV head (or null with a retrieval_mask)",
+    "retrieval_mask": "a list of rows, one per layer, of one 0 (streaming) or 1 (retrieval) per KV head (or null)",
+    "sparsity": "a number in [0, 1], the fraction of streaming heads (e.g. 0.5)",
+    "sink": "a whole number of tokens, 0 or more (e.g. 64)",
+    "recent": "a whole number of tokens, 0 or more (e.g. 256)",
+    "layer_exclusive": "true or false",
+    "provenance": "an object with source, method, date, license and notes",
+    "provenance.source": "a string, where the gates come from",
+    "provenance.method": "a string, how the gates were made",
+    "provenance.date": 'a string (e.g. "2025-01-31")',
+    "provenance.license": "a string or null",
+    "provenance.notes": "a string or null",
+}
+_PATTERN_OBJECT = ("a pattern is a JSON object with the fields "
+                   + ", ".join(field for field in FIELD_VALUES if "." not in field))
 
 
 class _StrictModel(BaseModel):
@@ -114,24 +140,28 @@ class HeadPattern(_StrictModel):
         for field in ("gates", "retrieval_mask"):
             self._check_matrix_shape(field, getattr(self, field))
         if self.sink == 0 and self.recent == 0:
-            raise ValueError("`sink` and `recent` are both 0, so streaming heads would see no tokens")
+            raise ValueError("`sink` and `recent` are both 0, so streaming heads would see no tokens: set either "
+                             "above 0 (e.g. sink 64, recent 256)")
         if self.retrieval_mask is None and self.sparsity is None:
-            raise ValueError("`sparsity` is missing; a pattern with gates needs a default such as 0.5")
+            raise ValueError("`sparsity` is missing; a pattern with gates needs a default: add `sparsity`, "
+                             f"{FIELD_VALUES['sparsity']}")
         if self.retrieval_mask is not None and self.sparsity is not None and not self._sparsity_matches_mask(
                 self.sparsity):
             raise ValueError(
-                f"`sparsity` {self.sparsity} contradicts retrieval_mask (sparsity {self._mask_sparsity():.4f})")
+                f"`sparsity` {self.sparsity} contradicts retrieval_mask (sparsity {self._mask_sparsity():.4f}): set "
+                "`sparsity` to the mask's or remove it")
         return self
 
     def _check_matrix_shape(self, field: str, matrix: list[list] | None) -> None:
         if matrix is None:
             return
         if len(matrix) != self.model.num_layers:
-            raise ValueError(f"`{field}` has {len(matrix)} rows but model.num_layers is {self.model.num_layers}")
+            raise ValueError(f"`{field}` has {len(matrix)} rows but model.num_layers is {self.model.num_layers}: "
+                             "give one row per layer")
         for layer, row in enumerate(matrix):
             if len(row) != self.model.num_kv_heads:
-                raise ValueError(
-                    f"{field}[{layer}] has {len(row)} entries but model.num_kv_heads is {self.model.num_kv_heads}")
+                raise ValueError(f"{field}[{layer}] has {len(row)} entries but model.num_kv_heads is "
+                                 f"{self.model.num_kv_heads}: give one entry per KV head")
 
     @property
     def label(self) -> str:
@@ -145,16 +175,24 @@ class HeadPattern(_StrictModel):
 
     @classmethod
     def load(cls, path: str | Path) -> HeadPattern:
-        """Reads and validates a pattern JSON file; every problem becomes a one-line PatternError."""
+        """Reads and validates a pattern JSON file; every problem becomes a one-line PatternError that says what to
+        change: in a hand-edited file, the field and what it holds; a reference file is converted instead."""
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as error:
             raise PatternError(f"cannot read pattern {path}: {error.strerror or error}: check the path") from None
+        folder = path.parent
+        if path.name in (REFERENCE_GATES_FILE, REFERENCE_CONFIG_FILE) and (folder / REFERENCE_GATES_FILE).is_file():
+            raise PatternError(
+                f"{path} is a file of the duo-attention reference folder {folder}, not a pattern JSON: pass the "
+                f"folder, or convert it once with `vllm-duo pattern convert {folder} -o pattern.json`")
+        if not text.strip():
+            raise PatternError(f"pattern {path} is empty: {_PATTERN_OBJECT}")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise PatternError(f"pattern {path} is not JSON ({error}): {_FIX_FILE}") from None
+            raise PatternError(f"pattern {path} is not JSON ({error}): fix the JSON syntax there") from None
         return cls._validated(data, origin=str(path))
 
     @classmethod
@@ -162,7 +200,7 @@ class HeadPattern(_StrictModel):
         try:
             pattern = cls.model_validate(data)
         except ValidationError as error:
-            raise PatternError(f"pattern {origin}: {_first_problem(error)}: {_FIX_FILE}") from None
+            raise PatternError(f"pattern {origin}: {_first_problem(error)}") from None
         pattern._origin = origin
         return pattern
 
@@ -308,8 +346,8 @@ def pattern_from_reference_dir(
             head_dim = head_dim or known_model.head_dim
     if architecture is None or head_dim is None:
         raise PatternError(
-            f"{folder} does not say the model's architecture and head_dim: pass them (CLI: --architecture "
-            "and --head-dim) or the model's config.json (CLI: --model)")
+            f"{folder} does not say the model's architecture and head_dim: pass the model's config.json (CLI: --model) "
+            "or, to convert, --architecture and --head-dim")
 
     data = {
         "schema_version": SCHEMA_VERSION,
@@ -421,19 +459,27 @@ def _training_notes(training: dict, deploy_sink: int, deploy_recent: int) -> str
 
 
 def _first_problem(error: ValidationError) -> str:
-    """pydantic's first error as `field: problem`, without its multi-line report."""
+    """pydantic's first error in one line, without its multi-line report: the field, the problem, and what the field
+    holds (FIELD_VALUES); the messages of our own validators say that themselves."""
     first = error.errors(include_url=False)[0]
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+    field = ".".join(part for part in first["loc"] if isinstance(part, str))
     kind = first["type"]
-    if kind == "value_error":
-        return str(first["ctx"]["error"])
-    if kind == "missing":
-        return f"field `{where}` is missing"
-    if kind == "extra_forbidden":
-        return f"unknown field `{where}` (schema_version {SCHEMA_VERSION})"
-    if where == "schema_version":
-        return f"schema_version {first['input']!r} is not supported (this vllm-duo reads {SCHEMA_VERSION})"
     value = repr(first["input"])
     value = value if len(value) <= 40 else value[:37] + "..."
-    subject = f"`{where}` = {value}" if where else f"the top level ({value})"
-    return f"{subject}: {first['msg'][0].lower()}{first['msg'][1:]}"
+    if kind == "value_error":
+        return str(first["ctx"]["error"])
+    if not where:
+        return f"the top level ({value}) is not a JSON object: {_PATTERN_OBJECT}"
+    if kind == "missing":
+        return f"field `{where}` is missing: add it, {FIELD_VALUES[field]}"
+    if kind == "extra_forbidden":
+        section = field.rpartition(".")[0]
+        known = [name.rpartition(".")[2] for name in FIELD_VALUES if name.rpartition(".")[0] == section]
+        return (f"unknown field `{where}` (schema_version {SCHEMA_VERSION}): correct or remove it; the fields "
+                f"{f'of `{section}` ' if section else ''}are {', '.join(known)}")
+    if field == "schema_version":
+        return (f"schema_version {first['input']!r} is not supported: this vllm-duo reads {SCHEMA_VERSION}; a newer "
+                "file needs a newer vllm-duo")
+    problem = first["msg"][0].lower() + first["msg"][1:]
+    return f"`{where}` = {value}: {problem}; `{field}` must be {FIELD_VALUES[field]}"

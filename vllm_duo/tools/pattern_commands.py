@@ -109,8 +109,9 @@ def write_heatmap(pattern: HeadPattern, out: str, sparsity: float | None = None)
 
 
 def validate(spec: str, model_dir: str | None = None) -> str:
-    """Loads the pattern (and checks it against model_dir's config.json); returns one line starting with OK."""
-    pattern, source = resolve_pattern(spec)
+    """Loads the pattern (and checks it against model_dir's config.json, which also gives a reference folder's
+    architecture and head_dim); returns one line starting with OK."""
+    pattern, source = resolve_pattern(spec, model_dir)
     summary = f"OK: {source}: {pattern.model.name}, {_shape_summary(pattern)}, {sum(pattern.retrieval_counts())} " \
               f"retrieval heads by default, sink {pattern.sink}, recent {pattern.recent}"
     if model_dir is None:
