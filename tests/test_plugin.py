@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The plugin in a real vLLM engine: `attention_backend="duo"` parses, and every attention layer runs duo;
-vLLM's V2 model runner (the GPU default) sizes block table rows for duo's streaming page groups too."""
+vLLM's V2 model runner (the GPU default) sizes block table rows for duo's streaming page groups too (patched on vLLM
+0.26-0.28; from 0.29 it sizes them by the spec's max_num_blocks_per_req)."""
 
 from types import SimpleNamespace
 
@@ -38,7 +39,23 @@ class _WidthRecorded(Exception):
     """Stops the V2 runner's initialize_kv_cache once it has computed the block table widths."""
 
 
-@pytest.mark.parametrize("max_model_len, group_blocks", [(2048, 1), (17000, 2), (1000, 0)])
+ROW_CASES = [(2048, 1), (17000, 2), (1000, 0)]
+
+
+@pytest.mark.parametrize("max_model_len, group_blocks", ROW_CASES)
+def test_spec_rows_hold_pages_and_page_groups(max_model_len, group_blocks):
+    """What vLLM sizes a row by (all but the V2 runner of 0.26-0.28, which the plugin patches): the spec's
+    max_num_blocks_per_req."""
+    from vllm_duo.kv_cache import DuoAttentionSpec
+
+    spec = DuoAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sink=64, recent=256,
+                            streaming_blocks=group_blocks)
+    assert spec.max_num_blocks_per_req(None, max_model_len) == -(-max_model_len // 16) * (1 + group_blocks)
+
+
+@pytest.mark.skipif(not __import__("vllm_duo.vllm_seam").vllm_seam.touch("v2_block_table_rows").applies(),
+                    reason="the V2 runner patch is for vLLM 0.26-0.28 (vllm_seam: v2_block_table_rows)")
+@pytest.mark.parametrize("max_model_len, group_blocks", ROW_CASES)
 def test_v2_runner_rows_hold_pages_and_page_groups(monkeypatch, max_model_len, group_blocks):
     """A duo request's row has 1 + m columns per 16 tokens (page, streaming page group): a row sized for
     max_model_len alone would spill into the next request's row (seen on the H100, with the earlier layout, as

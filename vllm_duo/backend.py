@@ -33,6 +33,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from vllm_duo import vllm_seam
 from vllm_duo.config import plan_from_vllm_config
 from vllm_duo.kernels.attention import duo_attention_triton
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, duo_attention
@@ -63,8 +64,8 @@ class DuoAttentionBackend(AttentionBackend):
         return DuoAttentionMetadataBuilder
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        return [MultipleOf(16)]
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]  # vLLM 0.31+ passes the layer's spec
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -73,7 +74,12 @@ class DuoAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)  # vLLM 0.26-0.28 (vllm_seam: kv_cache_shape_5d)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        """vLLM 0.29+ binds each layer a 4D view in one of these layouts (vllm_seam: kv_cache_view_4d)."""
+        return vllm_seam.duo_kv_cache_layouts()
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -236,7 +242,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             layout = plan.page_layout(self.vllm_config.cache_config.block_size, tp_size)
             placement = layout.placements[index]
             if placement is not None:
-                layers = self.vllm_config.compilation_config.static_forward_context
+                layers = vllm_seam.forward_context_layers(self.vllm_config)
                 self.stream_layer = next(name for name, module in layers.items()
                                          if isinstance(getattr(module, "impl", None), DuoAttentionImpl)
                                          and extract_layer_index(name) == placement.host)
@@ -253,17 +259,17 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         """The cache whose page groups hold this layer's streaming K/V (kv_cache.py pools them across layers)."""
         if self.stream_layer is None:
             return kv_cache
-        return self.vllm_config.compilation_config.static_forward_context[self.stream_layer].kv_cache
+        return vllm_seam.as_duo_pages(vllm_seam.forward_context_layers(self.vllm_config)[self.stream_layer].kv_cache)
 
     def _quant(self, layer, on_host: bool) -> KVQuant | None:
         """The layer's fp8 storage: its scales as the kernels read them (device tensors, which vLLM updates in
         place) or as floats for the PyTorch path, which on the CPU rounds toward zero as vLLM's CPU backend does."""
         if self.fp8_dtype is None:
             return None
+        k_scale, v_scale, q_scale = vllm_seam.layer_kv_quant_scales(layer, on_host)
         if on_host:
-            return KVQuant(layer._k_scale_float, layer._v_scale_float, layer._q_scale_float,
-                           toward_zero=not layer.kv_cache.is_cuda)
-        return KVQuant(layer._k_scale, layer._v_scale, layer._q_scale)
+            return KVQuant(k_scale, v_scale, q_scale, toward_zero=not layer.kv_cache.is_cuda)
+        return KVQuant(k_scale, v_scale, q_scale)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: DuoAttentionMetadata | None, output: torch.Tensor,
@@ -273,7 +279,8 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         Args:
             query: `[num_tokens, num_heads, head_size]`
             key, value: `[num_tokens, num_kv_heads, head_size]`
-            kv_cache: `[num_blocks, 2, block_size, P, head_size]` (a stub if the layer has no pages)
+            kv_cache: `[num_blocks, 2, block_size, P, head_size]` (a stub if the layer has no pages); vLLM 0.29+ passes
+                a 4D view of the same pages (`vllm_seam.as_duo_pages`)
             output: `[num_tokens, num_heads * head_size]`
         """
         if output_scale is not None or output_block_scale is not None:
@@ -283,6 +290,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         heads = self._layer_heads(layer)
+        kv_cache = vllm_seam.as_duo_pages(kv_cache)
         stream_cache = self._stream_cache(kv_cache)
         if self.fp8_dtype is not None:  # vLLM allocates fp8 caches as uint8
             kv_cache, stream_cache = kv_cache.view(self.fp8_dtype), stream_cache.view(self.fp8_dtype)
@@ -299,3 +307,6 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
                           self.scale, out, stream_cache=stream_cache, quant=self._quant(layer, on_host=True))
         return output
+
+
+vllm_seam.check("backend_interface")  # duo's overrides take what the installed vLLM passes

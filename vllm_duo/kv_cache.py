@@ -186,12 +186,12 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                    num_local_computed_tokens, num_tokens_main_model,
-                                   apply_admission_cap: bool = False) -> int:
+                                   apply_admission_cap: bool = False, prefill_end: int = 0) -> int:
         """New blocks for `num_tokens` token slots, plus hit blocks that leave the free queue.
 
         The admission check (`apply_admission_cap`, the whole prompt at once) counts the page groups a request
         keeps between steps (its sink, window and kept windows), not those of the chunks it will prefill:
-        each is freed once the window moves on.
+        each is freed once the window moves on. `prefill_end` (vLLM 0.31+) is for Mamba's prefill checkpoints.
         """
         token_blocks = cdiv(num_tokens, self.block_size)
         held = [*self.req_to_blocks.get(request_id, ()), *new_computed_blocks]
@@ -256,8 +256,11 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
             self.block_pool.free_blocks(freed)
         windows.freed_up_to = max(start, end)
 
-    def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None) -> None:
-        """Hash the pages and the streaming blocks of the request's full token blocks (module docstring)."""
+    def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None, *,
+                     replay_boundaries=()) -> None:
+        """Hash the pages and the streaming blocks of the request's full token blocks (module docstring).
+        `replay_boundaries` (vLLM 0.30+) tells sliding-window managers where to retain blocks; duo retains its own
+        windows (`_plan_windows`)."""
         num_cached = self.num_cached_block.get(request.request_id, 0)
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
@@ -451,3 +454,8 @@ def plan_page_layout(page_heads: tuple[int, ...], streaming_heads: tuple[int, ..
     while (placements := _place(cells, [blocks * block_size * p for p in pages])) is None:
         blocks += 1
     return PageLayout(tuple(pages), blocks, tuple(placements))
+
+
+from vllm_duo import vllm_seam  # noqa: E402  (after the classes it checks)
+
+vllm_seam.check("manager_interface")  # duo's overrides take what the installed vLLM passes

@@ -73,6 +73,9 @@ def _subclass(name: str):
         from vllm.platforms.cuda import CudaPlatform as base
     else:
         raise AttributeError(name)
+    from vllm_duo import vllm_seam
+
+    vllm_seam.check("platform_subclass")
     return type(name, (DuoPlatformMixin, base), {"__module__": __name__})
 
 
@@ -87,9 +90,10 @@ def activate() -> str | None:
     """Entry point of `vllm.platform_plugins`: wrap whichever of CUDA / CPU vLLM would pick."""
     from vllm.platforms import cpu_platform_plugin, cuda_platform_plugin
 
-    from vllm_duo.plugin import add_backend_member
+    from vllm_duo import vllm_seam
 
-    add_backend_member()
+    vllm_seam.check_version()  # outside the range: vLLM skips this platform; the general plugin stops startup
+    vllm_seam.add_backend_member()
     if cuda_platform_plugin() is not None:
         return f"{__name__}.DuoCudaPlatform"
     if cpu_platform_plugin() is not None:

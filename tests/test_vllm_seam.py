@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm_seam: the supported vLLM range, each touch's check on the installed vLLM and on a changed shape, and the
+4D cache view of vLLM 0.29+. Builds no engine."""
+
+import inspect
+
+import pytest
+import torch
+
+from vllm_duo import vllm_seam
+from vllm_duo.vllm_seam import SeamError
+
+
+@pytest.mark.parametrize("text", ["0.26.0", "0.27.0", "0.27.0+cpu", "0.32.0+cpu", "0.33.0", "0.33.4", "0.33.1rc1"])
+def test_supported_versions_pass(text):
+    vllm_seam.check_version(text)
+
+
+@pytest.mark.parametrize("text", ["0.25.2", "0.10.1", "0.34.0", "0.34.0.dev12+g1234", "1.0.0"])
+def test_a_vllm_outside_the_range_stops_with_one_line_naming_it(text):
+    with pytest.raises(SeamError) as error:
+        vllm_seam.check_version(text)
+    message = str(error.value)
+    assert "\n" not in message and text in message and "0.26.0 to 0.33.x" in message
+
+
+def test_register_stops_on_a_vllm_outside_the_range(monkeypatch):
+    from vllm_duo import plugin
+
+    monkeypatch.setattr(vllm_seam, "installed_version", lambda: "0.25.0")
+    with pytest.raises(SeamError, match=r"supports vLLM 0\.26\.0 to 0\.33\.x.*this is vLLM 0\.25\.0"):
+        plugin.register()
+
+
+@pytest.mark.parametrize("version, first, last, inside", [
+    ((0, 28, 3), None, "0.28", True), ((0, 29, 0), None, "0.28", False), ((0, 29, 0), "0.29.0", None, True),
+    ((0, 31, 9), None, "0.31", True), ((0, 32, 0), "0.32.0", None, True), ((0, 31, 0), "0.32.0", None, False)])
+def test_version_ranges(version, first, last, inside):
+    assert vllm_seam.in_range(version, first, last) is inside
+
+
+def test_every_touch_names_its_versions_and_holds_on_the_installed_vllm():
+    import vllm.plugins
+
+    vllm.plugins.load_general_plugins()  # installs the patches; a second install changes nothing
+    vllm_seam.install()
+    for touch in vllm_seam.TOUCHES:
+        assert touch.versions().startswith("vLLM 0.")
+        if touch.applies():
+            assert touch.check() is None, touch.name
+
+
+def test_patches_for_other_versions_are_not_applied():
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    widest = getattr(UniformTypeKVCacheSpecs.__dict__.get("max_num_blocks_per_req"), "_duo_widest", False)
+    assert widest == vllm_seam.touch("widest_layer_block_table").applies()
+    runner = vllm_seam._v2_runner()
+    if runner is not None:
+        widened = getattr(runner.initialize_kv_cache, "_duo_widened", False)
+        assert widened == vllm_seam.touch("v2_block_table_rows").applies()
+
+
+@pytest.mark.parametrize("touch_name", ["route_kv_cache_spec", "reorder_before_quant", "kv_cache_spec_registry"])
+def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, touch_name):
+    """The check of each patched function fails on a signature duo does not expect, in one line."""
+    if touch_name == "route_kv_cache_spec":
+        from vllm.model_executor.layers.attention.attention import Attention as owner
+        name, changed = "get_kv_cache_spec", lambda self, vllm_config, layer_index: None
+    elif touch_name == "reorder_before_quant":
+        from vllm.model_executor.model_loader import base_loader as owner
+        name, changed = "process_weights_after_loading", lambda model, load_config: None
+    else:
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry as owner
+        name, changed = "register", classmethod(lambda cls, spec_cls, manager: None)
+    monkeypatch.setattr(owner, name, changed)
+    with pytest.raises(SeamError) as error:
+        vllm_seam.check(touch_name)
+    message = str(error.value)
+    assert "\n" not in message and touch_name in message and vllm_seam.installed_version() in message
+
+
+def test_an_override_that_misses_an_argument_vllm_passes_is_caught():
+    class Base:
+        def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries):
+            pass
+
+    class Old:
+        def cache_blocks(self, request, num_tokens, retention_interval=None):
+            pass
+
+    class Extra:
+        def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries=(), hint):
+            pass
+
+    class Fits:
+        def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries=()):
+            pass
+
+    assert "replay_boundaries" in vllm_seam.override_problem(Old, Base, ["cache_blocks"])
+    assert "hint" in vllm_seam.override_problem(Extra, Base, ["cache_blocks"])
+    assert vllm_seam.override_problem(Fits, Base, ["cache_blocks"]) is None
+
+
+def test_duo_overrides_take_what_the_installed_vllm_passes():
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    from vllm_duo.kv_cache import DuoKVCacheManager
+
+    vllm_seam.check("backend_interface")
+    vllm_seam.check("manager_interface")
+    base = inspect.signature(SingleTypeKVCacheManager.cache_blocks).parameters
+    assert ("replay_boundaries" in base) == (vllm_seam.vllm_version() >= (0, 30, 0))
+    assert "replay_boundaries" in inspect.signature(DuoKVCacheManager.cache_blocks).parameters
+
+
+def _layer_views(layout: str, blocks=3, heads=2, tokens=16, content=8, layers=2):
+    """The 4D [B, H, N, C] view vLLM 0.29+ binds to layer 0 of a cache in `layout`, and its raw storage."""
+    raw = torch.zeros(blocks * layers * heads * tokens * content)
+    if layout == "LBNHC":
+        view = raw.view(layers, blocks, tokens, heads, content)[0].transpose(1, 2)
+        page_of = lambda b: raw.view(layers, blocks, -1)[0, b]  # noqa: E731
+    elif layout == "LBHNC":
+        view = raw.view(layers, blocks, heads, tokens, content)[0]
+        page_of = lambda b: raw.view(layers, blocks, -1)[0, b]  # noqa: E731
+    elif layout == "BLNHC":
+        view = raw.view(blocks, layers, tokens, heads, content)[:, 0].transpose(1, 2)
+        page_of = lambda b: raw.view(blocks, layers, -1)[b, 0]  # noqa: E731
+    else:  # BLHNC
+        view = raw.view(blocks, layers, heads, tokens, content)[:, 0]
+        page_of = lambda b: raw.view(blocks, layers, -1)[b, 0]  # noqa: E731
+    return raw, view, page_of
+
+
+@pytest.mark.parametrize("layout", [name for name, _ in vllm_seam.PAGE_CONTIGUOUS_LAYOUTS])
+def test_a_4d_view_is_read_as_duo_pages_in_place(layout):
+    raw, view, page_of = _layer_views(layout)
+    assert view.shape == (3, 2, 16, 8)
+    pages = vllm_seam.as_duo_pages(view)
+    assert pages.shape == (3, 2, 16, 2, 4)  # [blocks, K/V, tokens, heads, head_size]
+    pages[1, 1, 5, 1] = 7.0  # V of token 5, head 1, in block 1
+    page = page_of(1)
+    expected = torch.zeros_like(page)
+    expected.view(2, 16, 2, 4)[1, 5, 1] = 7.0
+    assert torch.equal(page, expected)
+    assert int((raw != 0).sum()) == 4  # nothing outside block 1's page of layer 0
+
+
+def test_duo_pages_pass_through_and_a_scattered_page_is_refused():
+    pages = torch.zeros(3, 2, 16, 2, 4)
+    assert vllm_seam.as_duo_pages(pages) is pages
+    scattered = torch.zeros(2, 3, 16, 8).transpose(0, 1)  # LHBNC: a block's heads lie apart
+    with pytest.raises(SeamError, match="contiguous"):
+        vllm_seam.as_duo_pages(scattered)
+
+
+def test_the_backend_declares_the_page_contiguous_layouts():
+    from vllm_duo.backend import DuoAttentionBackend
+
+    if not vllm_seam.touch("kv_cache_view_4d").applies():
+        pytest.skip("vLLM 0.26-0.28 allocates duo's 5D pages (kv_cache_shape_5d)")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    assert KVCacheLayout.LHBNC not in DuoAttentionBackend.supported_kv_cache_layouts()
+    assert len(DuoAttentionBackend.supported_kv_cache_layouts()) == 4

