@@ -20,6 +20,22 @@ SENTENCES = [
 QUESTION = "\nQuestion: What did Maria keep in the wooden box? Answer:"
 
 
+def has_engine_arg(name: str) -> bool:
+    """Whether the installed vLLM takes engine argument `name` (`calculate_kv_scales`: vLLM 0.26-0.27)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return name in EngineArgs.__dataclass_fields__
+
+
+def calculated_scales(**engine_args):
+    """`--calculate-kv-scales` as a test parameter: skipped where vLLM (0.28+) no longer has it."""
+    import pytest
+
+    return pytest.param(dict(engine_args, calculate_kv_scales=True),
+                        marks=pytest.mark.skipif(not has_engine_arg("calculate_kv_scales"),
+                                                 reason="--calculate-kv-scales is vLLM 0.26-0.27 (removed in 0.28)"))
+
+
 def text_of_tokens(tokenizer, num_tokens: int, seed: int) -> list[int]:
     """Token ids of about `num_tokens` tokens of plain sentences, then a question (natural, confident text)."""
     rng = np.random.default_rng(seed)

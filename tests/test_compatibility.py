@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engines import calculated_scales
 from vllm_duo.compatibility import refusal
 from vllm_duo.config import DuoConfigError
 
@@ -129,7 +130,7 @@ def test_fp8_needs_an_fp8_capable_gpu(fp8_config):
 
 @pytest.mark.parametrize("engine_args", [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="fp8_e4m3"),
                                          dict(kv_cache_dtype="fp8_e5m2"), dict(kv_cache_dtype="bfloat16"),
-                                         dict(kv_cache_dtype="fp8", calculate_kv_scales=True),
+                                         calculated_scales(kv_cache_dtype="fp8"),
                                          dict(block_size=32), dict(tensor_parallel_size=3)],
                          ids=lambda args: ",".join(f"{k}={v}" for k, v in args.items()))
 def test_supported_settings_build(engine_args, smollm2_dir):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines import (assert_same_greedy, greedy_with_logprobs, make_llm, prompt_logprob_gap, random_pattern, release,
-                     text_of_tokens)
+from engines import (assert_same_greedy, calculated_scales, greedy_with_logprobs, make_llm, prompt_logprob_gap,
+                     random_pattern, release, text_of_tokens)
 
 PROMPT_LENGTHS = [120, 700, 1500]  # under and well over sink + recent = 320
 MAX_TOKENS = 16
@@ -49,7 +49,7 @@ def run(smollm2_dir, prompts):
     return outcome
 
 
-@pytest.mark.parametrize("engine_args", [dict(kv_cache_dtype="fp8", calculate_kv_scales=True),
+@pytest.mark.parametrize("engine_args", [calculated_scales(kv_cache_dtype="fp8"),
                                          dict(kv_cache_dtype="fp8_e5m2")],
                          ids=["fp8-calculated-scales", "fp8_e5m2"])
 def test_all_retrieval_fp8_matches_dense_fp8(run, engine_args, tmp_path):

@@ -61,7 +61,8 @@ def test_patches_for_other_versions_are_not_applied():
         assert widened == vllm_seam.touch("v2_block_table_rows").applies()
 
 
-@pytest.mark.parametrize("touch_name", ["route_kv_cache_spec", "reorder_before_quant", "kv_cache_spec_registry"])
+@pytest.mark.parametrize("touch_name", ["route_kv_cache_spec", "reorder_before_quant", "kv_cache_spec_registry",
+                                        "block_pool"])
 def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, touch_name):
     """The check of each patched function fails on a signature duo does not expect, in one line."""
     if touch_name == "route_kv_cache_spec":
@@ -70,6 +71,9 @@ def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, t
     elif touch_name == "reorder_before_quant":
         from vllm.model_executor.model_loader import base_loader as owner
         name, changed = "process_weights_after_loading", lambda model, load_config: None
+    elif touch_name == "block_pool":
+        from vllm.v1.core.block_pool import BlockPool as owner
+        name, changed = "free_blocks", lambda self, blocks, group: None
     else:
         from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry as owner
         name, changed = "register", classmethod(lambda cls, spec_cls, manager: None)

@@ -9,7 +9,7 @@ Under tensor parallelism each rank maps the KV heads it holds (`DuoPlan.retrieva
 rank, tp)`).
 
 With `--kv-cache-dtype fp8` pages and page groups hold `fp8(x / scale)` with the layer's own k/v scales
-(vLLM's `_k_scale` / `_v_scale`: from the checkpoint, 1.0, or `--calculate-kv-scales`), written the
+(vLLM's `_k_scale` / `_v_scale`: from the checkpoint, 1.0, or `--calculate-kv-scales` on vLLM 0.26-0.27), written the
 way the platform's dense backend writes them; the kernels dequantize in registers.
 """
 

@@ -4,7 +4,7 @@
 The platform plugin calls `refusal` before it reads the head pattern; the first check that fails
 names the setting and what to use instead, in one line. Supported and why:
 * `--kv-cache-dtype auto|<model dtype>|fp8|fp8_e4m3|fp8_e5m2`: pages and page groups in the model's dtype or
-  per-tensor fp8 (the layer's k/v scales, from the checkpoint, 1.0, or `--calculate-kv-scales`).
+  per-tensor fp8 (the layer's k/v scales, from the checkpoint, 1.0, or `--calculate-kv-scales` on vLLM 0.26-0.27).
 * `--tensor-parallel-size` (kv_cache.py), quantized checkpoints (their layers run on head index
   maps), chunked prefill, CUDA graphs, data parallelism.
 * cascade attention: duo declines it (`use_cascade_attention` is False), so vLLM never plans it.

@@ -21,6 +21,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | forward_context_layers | all | reads `compilation_config.static_forward_context` (layer name -> Attention layer, its `.kv_cache`) |
 | kv_cache_shape_5d | 0.26-0.28 | vLLM allocates the layer's cache as `get_kv_cache_shape` says: duo's 5D pages |
 | kv_cache_view_4d | 0.29+ | vLLM binds a 4D `[B, H, N, C]` view in a `KVCacheLayout` (RFC 42082): `as_duo_pages` |
+| block_pool | all | duo's manager calls BlockPool's `get_new_blocks`, `free_blocks`, `evict_blocks`, `touch`, `get_cached_block`, `cache_full_blocks`, reads `hash_block_size`, `null_block`, and `resolve_block_hashes` |
 | platform_subclass | all | DuoCpuPlatform / DuoCudaPlatform override `check_and_update_config`, `get_attn_backend_cls` |
 | backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
 """
@@ -432,6 +433,25 @@ def as_duo_pages(kv_cache):
                             (kv_cache.stride(0), tokens * heads * half, heads * half, half, 1))
 
 
+# --- the block pool duo's manager allocates, frees and hashes in -------------------------------------------------
+
+def _check_block_pool() -> str | None:
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.block_pool import BlockPool
+
+    calls = {"get_new_blocks": ["num_blocks"], "free_blocks": ["ordered_blocks"], "evict_blocks": ["block_ids"],
+             "touch": ["blocks"], "get_cached_block": ["block_hash", "kv_cache_group_ids"],
+             "cache_full_blocks": ["request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
+                                   "kv_cache_group_id"]}
+    return (_missing(BlockPool, list(calls), "BlockPool")
+            or next(filter(None, (_expect_params(getattr(BlockPool, name), params, f"BlockPool.{name}")
+                                  for name, params in calls.items())), None)
+            or _source_mentions(BlockPool.__init__, ["self.hash_block_size", "self.null_block"], "BlockPool.__init__")
+            or _expect_params(kv_cache_utils.resolve_block_hashes, ["block_hashes", "hash_block_size", "block_size"],
+                              "resolve_block_hashes")
+            or _missing(kv_cache_utils.KVCacheBlock, ["is_null", "ref_cnt", "block_hash"], "KVCacheBlock"))
+
+
 # --- platform -----------------------------------------------------------------------------------------------------
 
 def _check_platforms() -> str | None:
@@ -487,6 +507,7 @@ TOUCHES = [
     Touch("forward_context_layers", None, None, _check_forward_context),
     Touch("kv_cache_shape_5d", None, "0.28", _check_shape_5d),
     Touch("kv_cache_view_4d", "0.29.0", None, _check_view_4d),
+    Touch("block_pool", None, None, _check_block_pool),
     Touch("platform_subclass", None, None, _check_platforms),
     Touch("backend_interface", None, None, _check_backend_interface),
     Touch("manager_interface", None, None, _check_manager_interface),
