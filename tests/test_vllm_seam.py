@@ -167,3 +167,36 @@ def test_the_backend_declares_the_page_contiguous_layouts():
 
     assert KVCacheLayout.LHBNC not in DuoAttentionBackend.supported_kv_cache_layouts()
     assert len(DuoAttentionBackend.supported_kv_cache_layouts()) == 4
+
+
+def _engine_free_config():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_duo.tools import cache_sim
+
+    return EngineArgs(model=cache_sim._model_folder().name, skip_tokenizer_init=True, max_model_len=4096,
+                      block_size=16).create_engine_config()
+
+
+def test_a_kv_cache_sized_outside_the_engine_core_gets_the_layout_the_engine_core_resolves():
+    """cache_sim sizes its KV cache with `get_kv_cache_configs`, which reads the layout the engine core resolves
+    (vLLM 0.29+); `resolve_kv_cache_layout` resolves it the same way, and does nothing on vLLM 0.26-0.28."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_duo.backend import DuoAttentionBackend
+
+    config = _engine_free_config()
+    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+                                                                    dtype=torch.bfloat16) for i in range(32)}
+    vllm_seam.resolve_kv_cache_layout(config, [], specs.values())
+    page_bytes = 32 * 16 * 8 * 128 * 2 * 2  # every layer's K and V of one 16-token block, bf16
+    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [300 * page_bytes])
+    assert kv_cache_config.num_blocks == 300
+    duo_config = _engine_free_config()
+    vllm_seam.resolve_kv_cache_layout(duo_config, [DuoAttentionBackend], [])
+    if vllm_seam.touch("kv_cache_layout_resolution").applies():
+        assert config.cache_config.get_resolved_kv_cache_layout().name == "LBNHC"  # vLLM's default preference
+        assert duo_config.cache_config.get_resolved_kv_cache_layout() in vllm_seam.duo_kv_cache_layouts()
+    else:
+        assert getattr(duo_config.cache_config, "kv_cache_layout", None) is None

@@ -21,6 +21,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | forward_context_layers | all | reads `compilation_config.static_forward_context` (layer name -> Attention layer, its `.kv_cache`) |
 | kv_cache_shape_5d | 0.26-0.28 | vLLM allocates the layer's cache as `get_kv_cache_shape` says: duo's 5D pages |
 | kv_cache_view_4d | 0.29+ | vLLM binds a 4D `[B, H, N, C]` view in a `KVCacheLayout` (RFC 42082): `as_duo_pages` |
+| kv_cache_layout_resolution | 0.29+ | a scheduler built outside the engine core (cache_sim) resolves the `KVCacheLayout` first, as the engine core does: `get_kv_cache_configs` reads it (checked where used) |
 | block_pool | all | duo's manager calls BlockPool's `get_new_blocks`, `free_blocks`, `evict_blocks`, `touch`, `get_cached_block`, `cache_full_blocks`, reads `hash_block_size`, `null_block`, and `resolve_block_hashes` |
 | platform_subclass | all | DuoCpuPlatform / DuoCudaPlatform override `check_and_update_config`, `get_attn_backend_cls` |
 | backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
@@ -433,6 +434,32 @@ def as_duo_pages(kv_cache):
                             (kv_cache.stride(0), tokens * heads * half, heads * half, half, 1))
 
 
+def _check_layout_resolution() -> str | None:
+    from vllm.config import CacheConfig
+    from vllm.v1.attention.backends import utils
+
+    return (_missing(utils, ["get_supported_kv_cache_layouts", "resolve_kv_cache_layout"],
+                     "vllm.v1.attention.backends.utils")
+            or _missing(CacheConfig, ["get_resolved_kv_cache_layout"], "CacheConfig")
+            or _expect_params(utils.resolve_kv_cache_layout, ["vllm_config", "supported_layouts", "kv_cache_specs"],
+                              "resolve_kv_cache_layout"))
+
+
+def resolve_kv_cache_layout(vllm_config, backends: list, kv_cache_specs) -> None:
+    """What the engine core does before it sizes the KV cache, for a scheduler built without one (cache_sim): resolve
+    one KV cache layout for attention `backends` (none: vLLM's default preference, a backend that declares no layouts)
+    and `kv_cache_specs`, recorded on `vllm_config.cache_config`, which `get_kv_cache_configs` reads from vLLM 0.29.
+    Nothing on vLLM 0.26-0.28, which have no layout to resolve."""
+    if not BY_NAME["kv_cache_layout_resolution"].applies():
+        return
+    check("kv_cache_layout_resolution")
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout as resolve
+
+    names = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    resolve(vllm_config, [names], list(kv_cache_specs))
+
+
 # --- the block pool duo's manager allocates, frees and hashes in -------------------------------------------------
 
 def _check_block_pool() -> str | None:
@@ -507,6 +534,7 @@ TOUCHES = [
     Touch("forward_context_layers", None, None, _check_forward_context),
     Touch("kv_cache_shape_5d", None, "0.28", _check_shape_5d),
     Touch("kv_cache_view_4d", "0.29.0", None, _check_view_4d),
+    Touch("kv_cache_layout_resolution", "0.29.0", None, _check_layout_resolution),
     Touch("block_pool", None, None, _check_block_pool),
     Touch("platform_subclass", None, None, _check_platforms),
     Touch("backend_interface", None, None, _check_backend_interface),
@@ -539,13 +567,15 @@ def add_backend_member() -> None:
 # Checked where duo's subclasses are defined, when backend.py and kv_cache.py are imported (backend.py imports the
 # kernels, which a vLLM process imports only once it runs the duo backend).
 CHECKED_AT_IMPORT = {"backend_interface", "manager_interface"}
+# Checked where duo's tools use them, not at vLLM startup (serving does not).
+CHECKED_WHERE_USED = {"kv_cache_layout_resolution"}
 
 
 def install() -> None:
     """Check the vLLM version, then check and apply every touch for it (idempotent)."""
     check_version()
     for item in TOUCHES:
-        if item.applies() and item.name not in CHECKED_AT_IMPORT:
+        if item.applies() and item.name not in CHECKED_AT_IMPORT | CHECKED_WHERE_USED:
             check(item.name)
             if item.apply is not None:
                 item.apply()

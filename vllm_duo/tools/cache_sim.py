@@ -194,6 +194,15 @@ def build_scheduler(backend: str, engine: Engine, max_model_len: int):
     else:
         specs = {name: FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=shape["num_key_value_heads"],
                                          head_size=shape["head_dim"], dtype=dtype) for name in names}
+    from vllm_duo import vllm_seam
+
+    if backend == "duo":
+        from vllm_duo.backend import DuoAttentionBackend
+
+        layout_backends = [DuoAttentionBackend]
+    else:
+        layout_backends = []  # the dense GPU backends (FlashAttention) declare no layouts: vLLM's default preference
+    vllm_seam.resolve_kv_cache_layout(vllm_config, layout_backends, specs.values())
     dense_bytes_per_token = len(names) * shape["num_key_value_heads"] * shape["head_dim"] * 2 * dtype.itemsize
     (config,) = get_kv_cache_configs(vllm_config, [specs], [engine.dense_kv_tokens * dense_bytes_per_token])
     config = generate_scheduler_kv_cache_config([config])
