@@ -278,16 +278,29 @@ def test_workload_overrides():
     assert stopped.value.code == 2
 
 
-def test_failed_runs_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch, subprocess_env):
-    monkeypatch.setattr(offline, "vllm_cli", lambda: [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+@pytest.mark.parametrize("user_space, space", [(None, "1"), ("3", "3")])
+def test_failed_runs_are_recorded_the_suite_goes_on_and_exits_1(tmp_path, monkeypatch, capsys, subprocess_env,
+                                                                user_space, space):
+    """A vLLM that fails every run: each is recorded, and the command's last line counts them, with exit code 1. Each
+    run had the CPU KV cache the user set (VLLM_CPU_KVCACHE_SPACE), else 1 GiB, and its recorded command says so."""
+    if user_space:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", user_space)
+    else:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    fake_vllm = "import os, sys; print('boom, KV cache', os.environ.get('VLLM_CPU_KVCACHE_SPACE')); sys.exit(3)"
+    monkeypatch.setattr(offline, "vllm_cli", lambda: [sys.executable, "-c", fake_vllm])
     out = tmp_path / "results"
     assert cli.main(["bench", "--workloads", "tiny", "--model", str(tmp_path), "--sparsity", "0.25", "0.5",
-                     "--out", str(out)]) == 0
+                     "--out", str(out)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"3 runs, 3 failed; results: {out / 'results.md'}"
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["backend"] for r in runs] == ["dense", "duo s=0.25", "duo s=0.5"]
-    assert all(r["status"] == "failed" and r["returncode"] == 3 and "boom" in r["log_tail"] for r in runs)
+    assert all(r["status"] == "failed" and r["returncode"] == 3 and f"boom, KV cache {space}" in r["log_tail"]
+               and r["command"].startswith(f"VLLM_CPU_KVCACHE_SPACE={space} ") for r in runs)
     report = (out / "results.md").read_text()
     assert "## Failed runs" in report and "**failed**" in report
+    assert cli.main(["bench", "--report-only", "--out", str(out)]) == 1  # the report of failed runs too
+    assert capsys.readouterr().out.splitlines()[-1].startswith("3 runs, 3 failed")
 
 
 SLEEPER = """

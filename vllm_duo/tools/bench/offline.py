@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import shlex
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from vllm_duo.tools.bench.machine import now
 from vllm_duo.tools.bench.results import Results
 from vllm_duo.tools.bench.settings import Settings, engine_args, vllm_cli
 from vllm_duo.tools.bench.workloads import Variant, Workload
-from vllm_duo.tools.processes import run_logged
+from vllm_duo.tools.processes import run_logged, shell_line
 
 
 def offline_command(settings: Settings, workload: Workload, variant: Variant, output_len: int,
@@ -46,13 +45,14 @@ def run_offline(results: Results, workload: Workload, variant: Variant, phase: s
     cmd = offline_command(settings, workload, variant, output_len, json_path.resolve())
     progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
     if settings.dry_run:
-        print(shlex.join(cmd))
+        print(shell_line(cmd, settings.env))
         return
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.unlink(missing_ok=True)
-    record = results.new_record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)), started_at=now())
+    record = results.new_record(workload, variant, phase, shell_line(cmd, settings.env),
+                                log=str(log_path.relative_to(out)), started_at=now())
     start = time.monotonic()
-    code, timed_out = run_logged(cmd, log_path, settings.timeout)
+    code, timed_out = run_logged(cmd, log_path, settings.timeout, settings.env)
     record["wall_s"] = round(time.monotonic() - start, 1)
     record["finished_at"] = now()
     metrics_of = ((lambda raw, log: throughput_metrics(raw, log, workload)) if workload.kind == "throughput"

@@ -14,6 +14,10 @@ from vllm_duo.tools.bench.tables import fmt
 from vllm_duo.tools.bench.workloads import Workload, is_baseline
 
 
+class FailedRuns(Exception):
+    """A run of the results failed; the message is the console summary, whose last line counts the failed runs."""
+
+
 class Report:
     """results.md and the console summary of one results.json."""
 
@@ -170,3 +174,11 @@ def markdown(results: dict, out: Path, plots: bool = True) -> str:
 
 def summary(results: dict, out: Path) -> str:
     return Report(results, out).summary()
+
+
+def checked_summary(results: dict, out: Path) -> str:
+    """The summary, raised as FailedRuns (the CLI exits with code 1) when a run failed."""
+    text = summary(results, out)
+    if any(run.get("status") != "ok" for run in results.get("runs", [])):
+        raise FailedRuns(text)
+    return text

@@ -32,6 +32,7 @@ class Settings:
     only: str | None = None  # "dense", "duo" or "zigzag": one side of a suite split over calls into one --out
     argv: list[str] = field(default_factory=list)
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # each backend runs at each
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment of every vLLM engine's process
 
     def duo_config(self, variant: Variant) -> dict:
         if variant.layer_exclusive:  # the file's stored layer-exclusive mask, not the gates at a sparsity
