@@ -71,13 +71,16 @@ def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
 
 
 def test_tiny_zigzag_on_cpu(smollm2_dir, tmp_path, subprocess_env):
-    """The zigzag side alone: its layer-exclusive pattern file is written, and vLLM serves it through duo."""
+    """The zigzag side alone: its layer-exclusive pattern file is written, and vLLM serves it through duo; on the
+    offline shared-documents path, whose prompts reach vLLM's `bench throughput` as token ids."""
     out = tmp_path / "results"
-    code = cli.main(["bench", "--workloads", "tiny", "--model", smollm2_dir, "--zigzag-sparsity", "0.5",
+    code = cli.main(["bench", "--workloads", "tiny_docs_full", "--model", smollm2_dir, "--zigzag-sparsity", "0.5",
                      "--pattern", smollm2_pattern(tmp_path), "--only", "zigzag", "--out", str(out), "--timeout", "170"])
     assert code == 0
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     assert run["backend"] == "zigzag s=0.5" and run["status"] == "ok", run.get("log_tail")
+    assert "-m vllm_duo.tools.bench --pretokenized bench throughput" in run["command"]
+    assert run["metrics"]["output_tok_s"] > 0
     assert run["layer_exclusive"] and run["pattern"] == str((out / "patterns" / "zigzag-0.5.json").resolve())
     heads = re.search(r"retrieval heads per layer \[([\d, ]+)\]", (out / run["log"]).read_text()).group(1)
     per_layer = [int(n) for n in heads.split(", ")]
@@ -435,3 +438,25 @@ def test_report_takes_each_ratio_against_dense_at_the_same_kv_dtype(tmp_path):
     summary = bench_report.summary(results, tmp_path)
     row = next(line for line in summary.splitlines() if line.startswith("decode_heavy") and "duo s=0.5 fp8" in line)
     assert row.split() == ["decode_heavy", "duo", "s=0.5", "fp8", "1,800.00", "out", "tok/s", "1.50x", "dense", "fp8"]
+
+
+def test_pretokenized_throughput_sends_the_sampled_prompts_as_token_ids(smollm2_dir, monkeypatch):
+    """`--pretokenized`: vLLM's own sampler runs, and each text prompt it drew reaches `bench throughput` as the
+    token ids of that text."""
+    from vllm.benchmarks import throughput
+    from vllm.tokenizers import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_duo.tools.bench.__main__ import tokenize_sampled_prompts
+
+    parser = FlexibleArgumentParser()
+    throughput.add_cli_args(parser)
+    args = parser.parse_args(["--model", smollm2_dir, "--dataset-name", "prefix_repetition", "--num-prompts", "4",
+                              "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len", "8",
+                              "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "4"])
+    tokenizer = get_tokenizer(smollm2_dir)
+    texts = [request.prompt for request in throughput.get_requests(args, tokenizer)]
+    monkeypatch.setattr(throughput, "get_requests", throughput.get_requests)  # undone after the test
+    tokenize_sampled_prompts()
+    requests = throughput.get_requests(args, tokenizer)
+    assert [request.prompt for request in requests] == [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]

@@ -17,7 +17,8 @@ from vllm_duo.tools.processes import run_logged, shell_line
 def offline_command(settings: Settings, workload: Workload, variant: Variant, output_len: int,
                     json_path: Path) -> list[str]:
     common = engine_args(settings, workload, variant)
-    if workload.kind == "throughput" and workload.dataset == "documents":
+    documents = workload.kind == "throughput" and workload.dataset == "documents"
+    if documents:
         prompts = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(workload.input_len),
                    "--prefix-repetition-suffix-len", str(workload.question_len),
                    "--prefix-repetition-num-prefixes", str(workload.num_documents),
@@ -25,9 +26,10 @@ def offline_command(settings: Settings, workload: Workload, variant: Variant, ou
     else:
         prompts = ["--dataset-name", "random", "--random-input-len", str(workload.input_len),
                    "--random-output-len", str(output_len)]
-    if workload.kind == "throughput":
-        return vllm_cli() + ["bench", "throughput", *common, *prompts, "--num-prompts", str(workload.num_prompts),
-                             "--output-json", str(json_path)]
+    if workload.kind == "throughput":  # shared documents: tokenized before the clock (it, not the engine, set the pace)
+        return vllm_cli(pretokenized=documents) + ["bench", "throughput", *common, *prompts,
+                                                   "--num-prompts", str(workload.num_prompts),
+                                                   "--output-json", str(json_path)]
     return vllm_cli() + ["bench", "latency", *common, "--input-len", str(workload.input_len),
                          "--output-len", str(output_len), "--batch-size", str(workload.batch_size),
                          "--num-iters", str(workload.num_iters), "--num-iters-warmup", str(workload.num_iters_warmup),

