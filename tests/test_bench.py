@@ -71,13 +71,16 @@ def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
 
 
 def test_tiny_zigzag_on_cpu(smollm2_dir, tmp_path, subprocess_env):
-    """The zigzag side alone: its layer-exclusive pattern file is written, and vLLM serves it through duo."""
+    """The zigzag side alone: its layer-exclusive pattern file is written, and vLLM serves it through duo; on the
+    offline shared-documents path, whose prompts reach vLLM's `bench throughput` as token ids."""
     out = tmp_path / "results"
-    code = cli.main(["bench", "--workloads", "tiny", "--model", smollm2_dir, "--zigzag-sparsity", "0.5",
+    code = cli.main(["bench", "--workloads", "tiny_docs_full", "--model", smollm2_dir, "--zigzag-sparsity", "0.5",
                      "--pattern", smollm2_pattern(tmp_path), "--only", "zigzag", "--out", str(out), "--timeout", "170"])
     assert code == 0
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     assert run["backend"] == "zigzag s=0.5" and run["status"] == "ok", run.get("log_tail")
+    assert "-m vllm_duo.tools.bench --pretokenized bench throughput" in run["command"]
+    assert run["metrics"]["output_tok_s"] > 0
     assert run["layer_exclusive"] and run["pattern"] == str((out / "patterns" / "zigzag-0.5.json").resolve())
     heads = re.search(r"retrieval heads per layer \[([\d, ]+)\]", (out / run["log"]).read_text()).group(1)
     per_layer = [int(n) for n in heads.split(", ")]
@@ -278,16 +281,29 @@ def test_workload_overrides():
     assert stopped.value.code == 2
 
 
-def test_failed_runs_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch, subprocess_env):
-    monkeypatch.setattr(offline, "vllm_cli", lambda: [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+@pytest.mark.parametrize("user_space, space", [(None, "1"), ("3", "3")])
+def test_failed_runs_are_recorded_the_suite_goes_on_and_exits_1(tmp_path, monkeypatch, capsys, subprocess_env,
+                                                                user_space, space):
+    """A vLLM that fails every run: each is recorded, and the command's last line counts them, with exit code 1. Each
+    run had the CPU KV cache the user set (VLLM_CPU_KVCACHE_SPACE), else 1 GiB, and its recorded command says so."""
+    if user_space:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", user_space)
+    else:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    fake_vllm = "import os, sys; print('boom, KV cache', os.environ.get('VLLM_CPU_KVCACHE_SPACE')); sys.exit(3)"
+    monkeypatch.setattr(offline, "vllm_cli", lambda: [sys.executable, "-c", fake_vllm])
     out = tmp_path / "results"
     assert cli.main(["bench", "--workloads", "tiny", "--model", str(tmp_path), "--sparsity", "0.25", "0.5",
-                     "--out", str(out)]) == 0
+                     "--out", str(out)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"3 runs, 3 failed; results: {out / 'results.md'}"
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["backend"] for r in runs] == ["dense", "duo s=0.25", "duo s=0.5"]
-    assert all(r["status"] == "failed" and r["returncode"] == 3 and "boom" in r["log_tail"] for r in runs)
+    assert all(r["status"] == "failed" and r["returncode"] == 3 and f"boom, KV cache {space}" in r["log_tail"]
+               and r["command"].startswith(f"VLLM_CPU_KVCACHE_SPACE={space} ") for r in runs)
     report = (out / "results.md").read_text()
     assert "## Failed runs" in report and "**failed**" in report
+    assert cli.main(["bench", "--report-only", "--out", str(out)]) == 1  # the report of failed runs too
+    assert capsys.readouterr().out.splitlines()[-1].startswith("3 runs, 3 failed")
 
 
 SLEEPER = """
@@ -422,3 +438,25 @@ def test_report_takes_each_ratio_against_dense_at_the_same_kv_dtype(tmp_path):
     summary = bench_report.summary(results, tmp_path)
     row = next(line for line in summary.splitlines() if line.startswith("decode_heavy") and "duo s=0.5 fp8" in line)
     assert row.split() == ["decode_heavy", "duo", "s=0.5", "fp8", "1,800.00", "out", "tok/s", "1.50x", "dense", "fp8"]
+
+
+def test_pretokenized_throughput_sends_the_sampled_prompts_as_token_ids(smollm2_dir, monkeypatch):
+    """`--pretokenized`: vLLM's own sampler runs, and each text prompt it drew reaches `bench throughput` as the
+    token ids of that text."""
+    from vllm.benchmarks import throughput
+    from vllm.tokenizers import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_duo.tools.bench.__main__ import tokenize_sampled_prompts
+
+    parser = FlexibleArgumentParser()
+    throughput.add_cli_args(parser)
+    args = parser.parse_args(["--model", smollm2_dir, "--dataset-name", "prefix_repetition", "--num-prompts", "4",
+                              "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len", "8",
+                              "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "4"])
+    tokenizer = get_tokenizer(smollm2_dir)
+    texts = [request.prompt for request in throughput.get_requests(args, tokenizer)]
+    monkeypatch.setattr(throughput, "get_requests", throughput.get_requests)  # undone after the test
+    tokenize_sampled_prompts()
+    requests = throughput.get_requests(args, tokenizer)
+    assert [request.prompt for request in requests] == [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]

@@ -102,6 +102,35 @@ def test_an_eval_whose_full_attention_misses_10_percent_warns_and_exits_3(tmp_pa
     assert "| duo50 | +" in report or "| duo50 | -" in report  # the per-context interval table
 
 
+@pytest.mark.parametrize("grid, contexts, samples", [
+    ([], evaluate.CPU_CONTEXTS, evaluate.CPU_SAMPLES),
+    (["--samples", "3"], evaluate.DEFAULT_CONTEXTS, 3),
+    (["--contexts", "1000"], (1000,), evaluate.DEFAULT_SAMPLES)])
+def test_a_cpu_eval_without_a_grid_runs_a_small_one_and_says_what_it_runs(tmp_path, monkeypatch, capsys, grid,
+                                                                            contexts, samples):
+    """On a CPU the default grid takes hours: without --contexts and --samples the eval runs a small one, and it says
+    first what it runs, about how long that takes, and how to ask for the full grid."""
+    class Ran(Exception):
+        pass
+
+    def evaluate_nothing(settings, progress):
+        raise Ran(settings)
+
+    monkeypatch.setattr(evaluate, "_on_cpu", lambda: True)
+    monkeypatch.setattr(evaluate, "evaluate", evaluate_nothing)
+    args = cli.build_parser().parse_args(["eval", "--model", "/models/smol", "--out", str(tmp_path), *grid])
+    with pytest.raises(Ran) as ran:
+        evaluate.command(args)
+    settings = ran.value.args[0]
+    assert (settings.contexts, settings.samples) == (contexts, samples)
+    lines = capsys.readouterr().err.splitlines()
+    prompts = len(contexts) * len(evaluate.DEFAULT_DEPTHS) * samples
+    assert lines[0].startswith(f"vllm-duo eval: 7 methods x {prompts} prompts (")
+    assert re.search(r"; about [\d.]+ (min|h) on 2 idle CPU cores", lines[0])
+    assert any("the full grid: --contexts 1000 2000 3000 4500 6000 --samples 16" in line for line in lines) == (
+        not grid)
+
+
 def test_tiny_eval_through_the_cli(smollm2_dir, tmp_path, capfd):  # capfd: vLLM needs a real stdout fileno
     out = tmp_path / "eval"
     code = cli.main(["eval", "--model", smollm2_dir, "--methods", "full", "duo50", "zigzag50", "--contexts", "512",

@@ -178,7 +178,8 @@ def build_scheduler(backend: str, engine: Engine, max_model_len: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    args = dict(model=_model_folder().name, skip_tokenizer_init=True, max_model_len=max_model_len, block_size=BLOCK_SIZE,
+    args = dict(model=_model_folder().name, skip_tokenizer_init=True, max_model_len=max_model_len,
+                block_size=BLOCK_SIZE,
                 max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
                 enable_prefix_caching=True, async_scheduling=engine.async_scheduling)
     if backend == "duo":

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from vllm_duo.pattern import PatternError
 from vllm_duo.tools import cache_sim, pattern_commands, zigzag
 from vllm_duo.tools.accuracy.eval_report import WeakReference
 from vllm_duo.tools.bench.command import command as run_bench
+from vllm_duo.tools.bench.report import FailedRuns
 from vllm_duo.tools.bench.workloads import WORKLOADS, BenchError
+from vllm_duo.tools.processes import CPU_KV_CACHE_GIB
 
 # A command is a function that adds its parser to the `vllm-duo` subparsers and sets `handler`: a function of the
 # parsed arguments returning the text to print. To add one, write such a function and list it in _COMMANDS.
@@ -169,6 +172,9 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--out", metavar="DIR",
                         help="results folder (default benchmarks/results/<timestamp>-<device>); into a folder "
                              "with a results.json the new runs are added, the same runs replaced")
+    parser.add_argument("--kv-cache-space", type=int, default=CPU_KV_CACHE_GIB, metavar="GIB",
+                        help="CPU stack only: each vLLM engine's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, which wins "
+                             f"when set; default {CPU_KV_CACHE_GIB})")
     parser.add_argument("--timeout", type=float, default=900, metavar="SECONDS",
                         help="limit per run, a server's start included (default 900)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -245,8 +251,8 @@ def _identify(args: argparse.Namespace) -> str:
 
 
 def _add_eval_command(commands: _Subparsers) -> None:
-    from vllm_duo.tools.accuracy.evaluate import (DEFAULT_CONTEXTS, DEFAULT_DEPTHS, DEFAULT_METHODS,
-                                                  DEFAULT_SAMPLES)
+    from vllm_duo.tools.accuracy.evaluate import (CPU_CONTEXTS, CPU_SAMPLES, DEFAULT_CONTEXTS, DEFAULT_DEPTHS,
+                                                  DEFAULT_METHODS, DEFAULT_SAMPLES)
     from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, TEMPLATES
 
     parser = commands.add_parser(
@@ -264,13 +270,16 @@ def _add_eval_command(commands: _Subparsers) -> None:
                                           "found by the model's name)")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD",
                         help=f"default: {' '.join(DEFAULT_METHODS)}")
-    parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS), metavar="TOKENS",
-                        help=f"prompt lengths (default: {' '.join(map(str, DEFAULT_CONTEXTS))})")
+    cpu_grid = "on a CPU with neither --contexts nor --samples"
+    parser.add_argument("--contexts", nargs="+", type=int, metavar="TOKENS",
+                        help=f"prompt lengths (default: {' '.join(map(str, DEFAULT_CONTEXTS))}; {cpu_grid}: "
+                             f"{' '.join(map(str, CPU_CONTEXTS))})")
     parser.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS), metavar="D",
                         help="needle depths in [0, 1] among the places outside the streaming view of the question "
                              f"(default: {' '.join(f'{d:g}' for d in DEFAULT_DEPTHS)})")
-    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
-                        help=f"prompts per (context, depth) cell (default {DEFAULT_SAMPLES})")
+    parser.add_argument("--samples", type=int,
+                        help=f"prompts per (context, depth) cell (default {DEFAULT_SAMPLES}; {cpu_grid}: "
+                             f"{CPU_SAMPLES})")
     parser.add_argument("--template", choices=TEMPLATES, default="plain",
                         help="plain: text only, the question and the answer's first words on one line; chat: a user "
                              "turn of the model's chat template, the answer's first words in the assistant's "
@@ -287,8 +296,9 @@ def _add_eval_command(commands: _Subparsers) -> None:
     parser.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per answer (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the random pattern (default 0)")
     parser.add_argument("--dtype", help="vLLM dtype (default float32 on CPU, auto on GPU)")
-    parser.add_argument("--kv-cache-space", type=float, default=1.0,
-                        help="CPU only: VLLM_CPU_KVCACHE_SPACE in GiB when unset (default 1)")
+    parser.add_argument("--kv-cache-space", type=int, default=CPU_KV_CACHE_GIB, metavar="GIB",
+                        help="CPU stack only: each vLLM engine's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, which wins "
+                             f"when set; default {CPU_KV_CACHE_GIB})")
     parser.add_argument("--engine-args", metavar="JSON", help="more vLLM LLM(...) arguments as a JSON object")
     parser.add_argument("--out", metavar="DIR",
                         help="results folder (default benchmarks/results/eval-<model>-<cpu|gpu>-<date>)")
@@ -371,8 +381,13 @@ _COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands, _
                                                          _add_cache_sim_command)
 
 
+EXIT_CODES = ("exit codes: 0 done; 1 a run failed (the last line says so); 2 a user error (one line); 3 an eval whose "
+              "full attention answered under 90% of its prompts")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-duo", description="DuoAttention for vLLM: tools around the plugin.")
+    parser = argparse.ArgumentParser(prog="vllm-duo", description="DuoAttention for vLLM: tools around the plugin.",
+                                     epilog=EXIT_CODES)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in _COMMANDS:
         add_command(commands)
@@ -380,8 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one command; a user error prints one `vllm-duo: error: ...` line to stderr and exits with code 2; an eval
-    whose full attention answers under 90% of its prompts prints its summary and a warning and returns 3."""
+    """Runs one command and returns its exit code:
+
+    0: done. 1: a run failed. A bench with a failed run prints its summary, whose last line counts the failed runs
+    ("4 runs, 4 failed; results: ..."); any other failure prints Python's traceback and then one line
+    `vllm-duo COMMAND: failed: ...`. 2: a user error, one `vllm-duo: error: ...` line on stderr. 3: an eval whose full
+    attention answers under 90% of its prompts prints its summary and a warning."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -389,11 +408,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WeakReference as error:  # the eval ran, but its numbers cannot show a loss: printed, and exit code 3
         print(error)
         return 3
+    except FailedRuns as error:  # the summary, its last line counting the failed runs
+        print(error)
+        return 1
     except (PatternError, BenchError, cache_sim.CacheSimError) as error:
         parser.exit(2, f"vllm-duo: error: {error}\n")
     except OSError as error:
         problem = f"{error.strerror}: {error.filename}" if error.filename else str(error)
         parser.exit(2, f"vllm-duo: error: {problem}\n")
+    except Exception as error:  # a failed run: the traceback, then the line that says so
+        traceback.print_exc()
+        first_line = next(iter(str(error).splitlines()), "")
+        print(f"vllm-duo {args.command}: failed: {type(error).__name__}: {first_line}", file=sys.stderr)
+        return 1
     if output:
         print(output)
     return 0

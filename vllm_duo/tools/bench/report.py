@@ -14,11 +14,16 @@ from vllm_duo.tools.bench.tables import fmt
 from vllm_duo.tools.bench.workloads import Workload, is_baseline
 
 
+class FailedRuns(Exception):
+    """A run of the results failed; the message is the console summary, whose last line counts the failed runs."""
+
+
 class Report:
     """results.md and the console summary of one results.json."""
 
     def __init__(self, results: dict, out: Path):
         self.index = RunIndex(results, out)
+        self.failed = [run for run in self.index.runs if run.get("status") != "ok"]
 
     def header(self) -> list[str]:
         r, settings = self.index.results, self.index.results.get("settings", {})
@@ -92,11 +97,10 @@ class Report:
         return lines + [""]
 
     def failures(self) -> list[str]:
-        failed = [r for r in self.index.runs if r.get("status") != "ok"]
-        if not failed:
+        if not self.failed:
             return []
         lines = ["## Failed runs", ""]
-        for run in failed:
+        for run in self.failed:
             lines += [f"<details><summary>{run['workload']} {run['backend']} {run['phase']}: {run.get('status')} "
                       f"({run.get('error')}); log {run.get('log')}</summary>", "", "```",
                       run.get("log_tail", ""), "```", "</details>", ""]
@@ -160,8 +164,8 @@ class Report:
                 rows.append((name, backend, f"{fmt(value, 2)}{unit}", ratio))
         widths = [max(len(row[column]) for row in rows) for column in range(4)]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-        failed = sum(r.get("status") != "ok" for r in self.index.runs)
-        lines.append(f"{len(self.index.runs)} runs, {failed} failed; results: {self.index.out / 'results.md'}")
+        results_md = self.index.out / "results.md"
+        lines.append(f"{len(self.index.runs)} runs, {len(self.failed)} failed; results: {results_md}")
         return "\n".join(lines)
 
 def markdown(results: dict, out: Path, plots: bool = True) -> str:
@@ -170,3 +174,12 @@ def markdown(results: dict, out: Path, plots: bool = True) -> str:
 
 def summary(results: dict, out: Path) -> str:
     return Report(results, out).summary()
+
+
+def checked_summary(results: dict, out: Path) -> str:
+    """The summary, raised as FailedRuns (the CLI exits with code 1) when a run failed."""
+    report = Report(results, out)
+    text = report.summary()
+    if report.failed:
+        raise FailedRuns(text)
+    return text

@@ -30,15 +30,15 @@ class Results:
         self.runs: list[dict] = list(self.previous.get("runs", []))
         self.started_at = now()
 
-    def new_record(self, workload: Workload, variant: Variant, phase: str, command: list[str], **fields) -> dict:
-        """A new run's record: what was run, where and how."""
+    def new_record(self, workload: Workload, variant: Variant, phase: str, command: str, **fields) -> dict:
+        """A new run's record: what was run (`command`, a shell line), where and how."""
         record = {"workload": workload.name, "kind": workload.kind, "backend": variant.label,
                   "attention_backend": variant.backend, "sparsity": variant.sparsity,
                   "kv_cache_dtype": variant.kv_cache_dtype, "phase": phase,
                   "input_len": workload.input_len,
                   "output_len": 1 if phase == "prefill" else workload.output_len,
                   "num_prompts": workload.num_prompts, "batch_size": workload.batch_size, "dataset": workload.dataset,
-                  "max_model_len": workload.max_model_len, "command": shlex.join(command),
+                  "max_model_len": workload.max_model_len, "command": command,
                   "model": self.settings.model, "load_format": self.settings.load_format, **self.machine}
         if variant.is_duo:
             record.update(pattern=self.settings.duo_config(variant).get("pattern"), sink=self.settings.sink,
@@ -96,8 +96,9 @@ class Results:
                 "zigzag_sparsity": s.zigzag_sparsity, "sink": s.sink, "recent": s.recent,
                 "kv_cache_dtypes": s.kv_cache_dtypes,
                 "engine_args": s.engine_args, "timeout_s": s.timeout,
-                "env": {k: v for k, v in os.environ.items()
-                        if k.startswith(("VLLM_", "CUDA_VISIBLE")) or k in ("HF_HUB_OFFLINE", "PYTHONPATH")}}
+                "env": {**{k: v for k, v in os.environ.items()
+                           if k.startswith(("VLLM_", "CUDA_VISIBLE")) or k in ("HF_HUB_OFFLINE", "PYTHONPATH")},
+                        **s.env}}
 
 
 def _run_line(record: dict) -> str:

@@ -15,7 +15,8 @@ from vllm_duo.tools.bench.machine import now
 from vllm_duo.tools.bench.results import Results
 from vllm_duo.tools.bench.settings import Settings, engine_args, vllm_cli
 from vllm_duo.tools.bench.workloads import Variant, Workload, rate_text
-from vllm_duo.tools.processes import free_port, run_logged, server_command, start_logged, stop, wait_healthy
+from vllm_duo.tools.processes import (free_port, run_logged, server_command, shell_line, start_logged, stop,
+                                      wait_healthy)
 
 
 def client_command(settings: Settings, workload: Workload, input_len: int, rate: float, port: int,
@@ -90,7 +91,7 @@ def run_served(results: Results, workload: Workload, variant: Variant, progress)
     server_cmd = server_command(engine_args(settings, workload, variant), port)
     server_log = out / "logs" / f"{workload.name}__{variant.slug}__server.log"
     if settings.dry_run:
-        print(shlex.join(server_cmd) + " &")
+        print(shell_line(server_cmd, settings.env) + " &")
         for seed, (input_len, rate, run) in enumerate(workload.serve_points()):
             _, json_path, _ = _client_files(settings, workload, variant, input_len, rate, run)
             print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)))
@@ -100,7 +101,7 @@ def run_served(results: Results, workload: Workload, variant: Variant, progress)
     progress.set_postfix_str(f"{workload.name} {variant.label} server")
     start = time.monotonic()
     with open(server_log, "w") as log:
-        server = start_logged(server_cmd, log)
+        server = start_logged(server_cmd, log, settings.env)
         try:
             not_ready = wait_healthy(port, server, settings.timeout)
             startup_s = round(time.monotonic() - start, 1)
@@ -120,8 +121,9 @@ def _run_client(results: Results, workload: Workload, variant: Variant, point: t
     phase, json_path, log_path = _client_files(settings, workload, variant, input_len, rate, run)
     cmd = client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)
     progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
-    record = results.new_record(workload, variant, phase, cmd, log=str(log_path.relative_to(out)),
-                                server_log=str(server_log.relative_to(out)), server_command=shlex.join(server_cmd),
+    record = results.new_record(workload, variant, phase, shlex.join(cmd), log=str(log_path.relative_to(out)),
+                                server_log=str(server_log.relative_to(out)),
+                                server_command=shell_line(server_cmd, settings.env),
                                 server_startup_s=startup_s, request_rate=rate_text(rate), input_len=input_len,
                                 repeat=run + 1 if workload.repeats > 1 else None,
                                 client_concurrency=workload.max_concurrency or None, started_at=now())

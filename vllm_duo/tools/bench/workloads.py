@@ -132,8 +132,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              question_len=300, num_documents=40, engine_args=("--enable-prefix-caching",),
              measures="shared documents beyond dense's cache: 40 documents of 20k tokens (800k tokens: dense's fp8 "
                       "cache on an H100 holds 915k, its bf16 cache 463k, duo's twice that), 8 questions each, "
-                      "shuffled and sent at once; output tok/s, prefix-cache hit rate, running and waiting "
-                      "requests (vLLM's stats lines)"),
+                      "shuffled and sent at once, tokenized before the clock starts; output tok/s, prefix-cache "
+                      "hit rate, running and waiting requests (vLLM's stats lines)"),
     Workload("chat_turns", "serve", 20000, 16000, 256, num_prompts=16, request_rates=(float("inf"),),
              dataset="chat", question_len=128, turns=6, engine_args=("--enable-prefix-caching",),
              measures="multi-turn chat over a 16k-token document: every turn resends the conversation, so all but "
@@ -152,6 +152,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("tiny_docs", "serve", 1024, 256, 8, num_prompts=6, request_rates=(float("inf"),), dataset="documents",
              question_len=32, num_documents=2, engine_args=("--enable-prefix-caching", *_CPU_ARGS), cpu=True,
              measures="CPU check of the shared-documents path and the hit rate"),
+    Workload("tiny_docs_full", "throughput", 1024, 256, 8, num_prompts=6, dataset="documents", question_len=32,
+             num_documents=2, engine_args=("--enable-prefix-caching", *_CPU_ARGS), cpu=True,
+             measures="CPU check of the offline shared-documents path (prompts tokenized before the clock)"),
     Workload("tiny_chat", "serve", 1024, 200, 8, num_prompts=2, request_rates=(float("inf"),), dataset="chat",
              question_len=32, turns=3, engine_args=("--enable-prefix-caching", *_CPU_ARGS), cpu=True,
              measures="CPU check of the multi-turn chat client"),
