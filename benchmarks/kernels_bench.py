@@ -66,7 +66,7 @@ def _import_kernels_from_checkout() -> None:
 
 
 _import_kernels_from_checkout()
-from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
+from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits  # noqa: E402
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
 from vllm_duo.kernels import cache_write  # noqa: E402
@@ -201,7 +201,7 @@ def bench_decode(fa, rows, out_json, batch=32, context=32768):
                dense_floor_ms_at_copy_rate=dense_bytes / (out_json["copy_tbps"] * 1e9))
 
     def duo_step(splits):
-        return lambda: duo_attention_triton(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out,
+        return lambda: duo_attention_gpu(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE, out,
                                             1, context, splits)
 
     # correctness first: reference on two requests, from the cache state before the step
@@ -282,7 +282,7 @@ def bench_decode_fp8(fa, rows, out_json, shapes=((4, 65536), (32, 32768))):
                              token_bytes * bytes_per / t / 1e6))
             if cache is fp8_cache:  # the whole step against the reference (fp32 over the same fp8 values)
                 before = cache.clone()
-                duo_attention_triton(query, key, value, cache.clone(), duo.heads, qsl, sl, duo.table, SCALE, out, 1,
+                duo_attention_gpu(query, key, value, cache.clone(), duo.heads, qsl, sl, duo.table, SCALE, out, 1,
                                      context, auto, quant=quant)
                 ref = torch.zeros_like(query[:2])
                 duo_attention(query[:2], key[:2], value[:2], before, duo.heads, [0, 1, 2], seq_lens[:2],
@@ -341,7 +341,7 @@ def bench_prefill(fa, rows, out_json, lengths=(8192, 32768, 131072), chunk=8192)
         out = torch.full_like(query, float("nan"))
         res = dict(tokens=T, chunk=chunk)
 
-        whole = lambda: duo_attention_triton(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE,  # noqa: E731
+        whole = lambda: duo_attention_gpu(query, key, value, duo.cache, duo.heads, qsl, sl, duo.table, SCALE,  # noqa: E731
                                              out, T, T)
         t = ms(whole)
         res["duo_layer_ms"] = t
@@ -364,7 +364,7 @@ def bench_prefill(fa, rows, out_json, lengths=(8192, 32768, 131072), chunk=8192)
 
             def duo_chunked():
                 for s, cq, cs, n in chunks:
-                    duo_attention_triton(query[s], key[s], value[s], duo.cache, duo.heads, cq, cs, duo.table, SCALE,
+                    duo_attention_gpu(query[s], key[s], value[s], duo.cache, duo.heads, cq, cs, duo.table, SCALE,
                                          out_chunked[s], s.stop - s.start, n)
 
             t = ms(duo_chunked)
@@ -490,7 +490,7 @@ def bench_mixed(fa, rows, out_json):
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import get_scheduler_metadata
     from vllm_duo.kernels import prefill as prefill_module
-    from vllm_duo.kernels.attention import retrieval_flash_attention
+    from vllm_duo.gpu_attention import retrieval_flash_attention
 
     results = []
     for name, batch in MIXED_CASES:
@@ -520,7 +520,7 @@ def bench_mixed(fa, rows, out_json):
         schedules = {}
 
         def duo_layer(make_schedule=False):
-            duo_attention_triton(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
+            duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
                                  retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules)
 
         dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
@@ -554,7 +554,7 @@ def bench_mixed(fa, rows, out_json):
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         res["duo_retrieval_fa3_ms"] = device_ms(lambda: retrieval_flash_attention(
             fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s,
-            schedules=schedules if max_q > 1 else None))  # as duo_attention_triton: none in decode (graphs)
+            schedules=schedules if max_q > 1 else None))  # as duo_attention_gpu: none in decode (graphs)
         R = heads.num_retrieval
         if seq_lens == new:  # prompts from scratch: how fast FA3 takes the streaming heads' window (no sinks)
             res["fa3_streaming_window_ms"] = device_ms(lambda: fa(

@@ -246,7 +246,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
         stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1); its rounding is always to nearest even.
-        checked: the caller has validated these inputs (`duo_attention_triton`, once per layer call: the checks
+        checked: the caller has validated these inputs (`attention.write_step`, once per layer call: the checks
             cost host time that mixed steps, run outside CUDA graphs, pay per launch).
     """
     stream_cache = cache if stream_cache is None else stream_cache

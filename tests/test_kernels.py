@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its CPU interpreter without a GPU)")
 
+from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.cache_write import write_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
@@ -217,11 +218,13 @@ def decode_rows(case: Case) -> torch.Tensor:
 
 def run_duo(case: Case, cache: torch.Tensor, max_num_splits: int | None = None,
             stream: torch.Tensor | None = None) -> torch.Tensor:
+    """The step as served: on a GPU with FlashAttention-3 on the retrieval heads where it is faster
+    (gpu_attention.py), on the CPU by the Triton kernels alone."""
     out = case.poisoned_output()
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
-    duo_attention_triton(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                         case.scale, out, max(lens), max(case.seq_lens), max_num_splits, stream_cache=stream,
-                         quant=case.quant)
+    attend = duo_attention_gpu if cache.is_cuda else duo_attention_triton
+    attend(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+           max(lens), max(case.seq_lens), max_num_splits, stream_cache=stream, quant=case.quant)
     return out
 
 
@@ -348,9 +351,9 @@ def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
     """A multi-token step's FlashAttention-3 tile schedule is made by its first layer of each retrieval-head count,
     with that call's own batch, heads, dtype and page size, and handed to every call of that count (FlashAttention
     itself runs on GPUs only: a stand-in records the calls)."""
-    from vllm_duo.kernels import attention
+    from vllm_duo import gpu_attention, vllm_seam
     made, calls = [], []
-    monkeypatch.setattr(attention, "flash_scheduler", lambda: lambda **kw: made.append(kw) or f"schedule {len(made)}")
+    monkeypatch.setattr(vllm_seam, "flash_scheduler", lambda: lambda **kw: made.append(kw) or f"schedule {len(made)}")
 
     def flash(**kw):
         calls.append(kw)
@@ -363,7 +366,7 @@ def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
     schedules = {}
     for retrieval in ([0], [0, 1], [2], [1, 3]):  # layers of 1, 2, 1, 2 retrieval heads (4 KV heads, G = 2)
         heads = LayerHeads.build(retrieval, 4, 8, 2, 4, 16)
-        attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1,
+        gpu_attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1,
                                             torch.empty_like(query), 7, 9, schedules=schedules)
     assert [(m["num_heads_q"], m["num_heads_kv"]) for m in made] == [(2, 1), (4, 2)]
     for m in made:
@@ -374,7 +377,7 @@ def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
     assert [c["scheduler_metadata"] for c in calls] == ["schedule 1", "schedule 2", "schedule 1", "schedule 2"]
     assert [c["q"].shape[1] for c in calls] == [2, 4, 2, 4]  # each call's heads are its schedule's
 
-    attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1, torch.empty_like(query),
+    gpu_attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1, torch.empty_like(query),
                                         1, 9)  # no schedules (a decode batch): FlashAttention makes its own
     assert "scheduler_metadata" not in calls[-1] and len(made) == 2
 
@@ -543,7 +546,7 @@ def cuda_scales() -> KVQuant:
 def with_flash_fp8_queries(case: Case) -> Case:
     """The case as FlashAttention-3 sees it: on an e4m3 cache it takes the retrieval heads (prefill and decode) with
     fp8 queries (q / q_scale, rounded), as vLLM's dense FLASH_ATTN does."""
-    from vllm_duo.kernels.attention import flash_attn_varlen
+    from vllm_duo.vllm_seam import flash_attn_varlen
 
     if case.cache.dtype != torch.float8_e4m3fn or flash_attn_varlen() is None:
         return case
@@ -579,8 +582,8 @@ def test_decode_cuda_graph(kv_dtype):
     start_cache = cache.clone()
 
     def step():
-        duo_attention_triton(case.query, case.key, case.value, cache, case.heads, qsl, sl, case.block_table,
-                             case.scale, out, 1, 16384, max_num_splits=8, quant=quant)
+        duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, qsl, sl, case.block_table,
+                          case.scale, out, 1, 16384, max_num_splits=8, quant=quant)
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

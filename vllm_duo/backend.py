@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 
 from vllm_duo import vllm_seam
 from vllm_duo.config import plan_from_vllm_config
-from vllm_duo.kernels.attention import duo_attention_triton
+from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 
@@ -124,7 +124,7 @@ class DuoAttentionMetadata:
     CPU). The kernels read the device tensors; the PyTorch path (CPU) reads the host lists.
     `max_seq_len` bounds the batch's seq_lens: max_model_len in decode-only batches (see the builder).
     `flash_schedules` collects the step's FlashAttention-3 tile schedules as its layers make them, one per
-    retrieval-head count; kernels/attention.py uses it in multi-token batches only (a decode batch may be a
+    retrieval-head count; gpu_attention.py uses it in multi-token batches only (a decode batch may be a
     CUDA graph replay, whose FlashAttention calls schedule themselves).
     """
 
@@ -299,10 +299,10 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         if kv_cache.is_cuda and not FORCE_TORCH_PATH:
-            duo_attention_triton(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
-                                 out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache,
-                                 quant=self._quant(layer, on_host=False), retrieval_table=m.retrieval_table,
-                                 flash_schedules=m.flash_schedules)
+            duo_attention_gpu(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
+                              out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache,
+                              quant=self._quant(layer, on_host=False), retrieval_table=m.retrieval_table,
+                              flash_schedules=m.flash_schedules)
         else:
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
                           self.scale, out, stream_cache=stream_cache, quant=self._quant(layer, on_host=True))

