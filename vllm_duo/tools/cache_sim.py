@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_duo.kernels import fp8
+
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 128, "hidden_size": 4096,
     "intermediate_size": 14336, "max_position_embeddings": 131072, "num_attention_heads": 32,
@@ -31,7 +33,7 @@ LLAMA_31_8B = {
     "torch_dtype": "bfloat16", "vocab_size": 128256,
 }
 DUO = {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
-KV_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+KV_DTYPES = {"bf16": "bfloat16", "fp8": fp8.KV_CACHE_DTYPES["fp8"]}  # --kv-cache-dtype -> torch dtype name
 BACKENDS = ("dense", "duo")
 BLOCK_SIZE = 16
 
