@@ -12,10 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.reference import KVQuant, LayerHeads
+from vllm_duo.kernels.reference import FP8_FORMATS, KVQuant, LayerHeads
 
 WRITE_BLOCK_T = 16  # tokens per write program
-FP8_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 # Attention of bf16 queries over an fp8 cache multiplies in fp16: Hopper converts fp8 to fp16 in one instruction
 # per pair, to bf16 only through fp32. The queries are cast to fp16 (FlashAttention-3's fp8 path clips them at
 # 448, fp16 at 65504). "model" computes in the model's dtype instead (kernels_bench.py compares the two).

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import FP8_FORMATS, as_scale, fp8_grid
-from vllm_duo.kernels.reference import LayerHeads
+from vllm_duo.kernels.cache_write import as_scale, fp8_grid
+from vllm_duo.kernels.reference import FP8_FORMATS, LayerHeads
 
 QUANT_BLOCK_T = 16  # tokens per program
 

@@ -24,8 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_duo.kernels import fp8
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_FORMATS = {getattr(torch, name): grid for name, grid in fp8.FORMATS.items()}  # torch dtype -> the kernels' FP8
+FP8_DTYPES = tuple(FP8_FORMATS)
+FP8_CACHE_DTYPES = {option: getattr(torch, name) for option, name in fp8.KV_CACHE_DTYPES.items()}  # --kv-cache-dtype
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from triton.compiler import ASTSource
 
 NO_COMPILER = 77  # exit code: this Triton has no CUDA backend to compile with (the test skips)
 
-from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, FP8_FORMATS, _write_kv_kernel
+from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
+from vllm_duo.kernels.reference import FP8_FORMATS
 
 H100 = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

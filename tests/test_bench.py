@@ -447,7 +447,7 @@ def test_pretokenized_throughput_sends_the_sampled_prompts_as_token_ids(smollm2_
     from vllm.tokenizers import get_tokenizer
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vllm_duo.tools.bench.__main__ import tokenize_sampled_prompts
+    from vllm_duo import vllm_seam
 
     parser = FlexibleArgumentParser()
     throughput.add_cli_args(parser)
@@ -457,6 +457,6 @@ def test_pretokenized_throughput_sends_the_sampled_prompts_as_token_ids(smollm2_
     tokenizer = get_tokenizer(smollm2_dir)
     texts = [request.prompt for request in throughput.get_requests(args, tokenizer)]
     monkeypatch.setattr(throughput, "get_requests", throughput.get_requests)  # undone after the test
-    tokenize_sampled_prompts()
+    vllm_seam.pretokenize_bench_throughput()  # what `python -m vllm_duo.tools.bench --pretokenized` does
     requests = throughput.get_requests(args, tokenizer)
     assert [request.prompt for request in requests] == [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]

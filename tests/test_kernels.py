@@ -23,8 +23,8 @@ from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.cache_write import write_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
-from vllm_duo.kernels.reference import (KVQuant, LayerHeads, duo_attention, quantize, write_retrieval,  # noqa: E402
-                                        write_streaming)
+from vllm_duo.kernels.reference import (FP8_CACHE_DTYPES, FP8_DTYPES, FP8_FORMATS, KVQuant,  # noqa: E402
+                                        LayerHeads, duo_attention, quantize, write_retrieval, write_streaming)
 
 CPU = torch.device("cpu")
 
@@ -401,8 +401,16 @@ def test_duo_attention_triton_fp16():
     assert_caches_equal((cache,), ref_caches[:1])
 
 
-FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8 = list(FP8_DTYPES)
 SCALES = KVQuant(k_scale=0.37, v_scale=2.5)  # unequal, not powers of two: a swapped or missing scale shows
+
+
+def test_fp8_table():
+    """The torch views of kernels/fp8.py's table: vLLM's three fp8 --kv-cache-dtype names, "fp8" being e4m3."""
+    assert FP8_CACHE_DTYPES == {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                                "fp8_e5m2": torch.float8_e5m2}
+    assert FP8_FORMATS == {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+    assert FP8_DTYPES == (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8)

@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vllm_duo.config import DuoSettings, ModelShape, build_plan
 from vllm_duo.pattern import (FIELD_VALUES, HeadPattern, ModelInfo, PatternError, Provenance, bundled_patterns,
-                              find_bundled, pattern_from_reference_dir, read_hf_config, resolve_pattern)
+                              find_bundled, ideal_kv_slots, pattern_from_reference_dir, read_hf_config,
+                              resolve_pattern)
 from vllm_duo.tools.cli import main
 from vllm_duo.tools.pattern_commands import kv_footprint
 
@@ -258,6 +260,21 @@ def test_kv_footprint():
     assert long.dense_bytes == 8000 * 2 * 64 * 2
     short = kv_footprint(pattern, 10, sparsity=0.75)
     assert short.duo_slots == 10 * 2 + 10 * 6
+
+
+@pytest.mark.parametrize("context_len, window", [(10, 10), (20, 20), (21, 20), (1000, 20)],
+                         ids=["below", "at", "above", "far-above"])
+def test_ideal_kv_below_at_and_above_sink_plus_recent(context_len, window):
+    """A streaming head keeps min(T, sink + recent) tokens; `vllm-duo patterns show` (kv_footprint) and the server's
+    startup line (DuoPlan.capacity_ratio) count with the same function."""
+    pattern = HeadPattern.model_validate(small_pattern())  # 8 heads, 4 retrieval at 0.5, sink 4 + recent 16
+    duo_slots = 4 * context_len + 4 * window
+    assert ideal_kv_slots(context_len, 4, 4, pattern.sink, pattern.recent) == duo_slots
+    footprint = kv_footprint(pattern, context_len)
+    assert (footprint.dense_slots, footprint.duo_slots) == (8 * context_len, duo_slots)
+    plan = build_plan(DuoSettings(), pattern, "test", ModelShape("Tiny", "LlamaForCausalLM", 2, 4, 8, 64))
+    for dtype_bytes in (1, 2):
+        assert plan.capacity_ratio(context_len, dtype_bytes) == 8 * context_len / duo_slots
 
 
 @pytest.mark.parametrize("path", REFERENCE_SHIPPED, ids=[path.stem for path in REFERENCE_SHIPPED])

@@ -62,10 +62,16 @@ def test_patches_for_other_versions_are_not_applied():
 
 
 @pytest.mark.parametrize("touch_name", ["route_kv_cache_spec", "reorder_before_quant", "kv_cache_spec_registry",
-                                        "block_pool"])
+                                        "block_pool", "prefix_cache_lookups", "bench_throughput_requests"])
 def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, touch_name):
     """The check of each patched function fails on a signature duo does not expect, in one line."""
-    if touch_name == "route_kv_cache_spec":
+    if touch_name == "prefix_cache_lookups":
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as owner
+        name, changed = "get_computed_blocks", lambda self, request, num_tokens: None
+    elif touch_name == "bench_throughput_requests":
+        from vllm.benchmarks import throughput as owner
+        name, changed = "get_requests", lambda args: None
+    elif touch_name == "route_kv_cache_spec":
         from vllm.model_executor.layers.attention.attention import Attention as owner
         name, changed = "get_kv_cache_spec", lambda self, vllm_config, layer_index: None
     elif touch_name == "reorder_before_quant":
@@ -82,6 +88,37 @@ def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, t
         vllm_seam.check(touch_name)
     message = str(error.value)
     assert "\n" not in message and touch_name in message and vllm_seam.installed_version() in message
+
+
+def test_an_engine_core_out_of_reach_stops_the_tools_that_read_it(monkeypatch):
+    from vllm.v1.engine.core_client import InprocClient
+
+    def __init__(self, *args, **kwargs):
+        self.core = None
+
+    monkeypatch.setattr(InprocClient, "__init__", __init__)
+    with pytest.raises(SeamError, match=r"inproc_engine_core .*InprocClient.__init__ no longer sets self.engine_core"):
+        vllm_seam.inproc_engine_core(None)
+
+
+def test_the_pretokenized_bench_sends_text_prompts_as_token_ids_once(monkeypatch):
+    """`--pretokenized` wraps vLLM's sampler once: text prompts become the tokenizer's ids, token ids stay."""
+    from types import SimpleNamespace
+
+    from vllm.benchmarks import throughput
+
+    class Tokenizer:
+        def encode(self, text):
+            return [len(word) for word in text.split()]
+
+    sampled = lambda args, tokenizer: [SimpleNamespace(prompt="a bb ccc"),  # noqa: E731
+                                       SimpleNamespace(prompt={"prompt_token_ids": [5]})]
+    monkeypatch.setattr(throughput, "get_requests", sampled)
+    vllm_seam.pretokenize_bench_throughput()
+    vllm_seam.pretokenize_bench_throughput()
+    assert throughput.get_requests.__closure__[0].cell_contents is sampled  # wrapped once
+    requests = throughput.get_requests(None, Tokenizer())
+    assert [request.prompt for request in requests] == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [5]}]
 
 
 def test_an_override_that_misses_an_argument_vllm_passes_is_caught():
@@ -200,3 +237,34 @@ def test_a_kv_cache_sized_outside_the_engine_core_gets_the_layout_the_engine_cor
         assert duo_config.cache_config.get_resolved_kv_cache_layout() in vllm_seam.duo_kv_cache_layouts()
     else:
         assert getattr(duo_config.cache_config, "kv_cache_layout", None) is None
+
+
+def test_prefix_cache_lookups_are_recorded_as_the_scheduler_makes_them():
+    """cache_sim's probes of vLLM's KV cache manager: each admission's lookup is recorded with the hit tokens vLLM
+    found, and the longest hit of a prompt whose blocks are cached is its whole blocks before the last token."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from vllm_duo.tools import cache_sim
+
+    engine = cache_sim.Engine(dense_kv_tokens=4096, max_num_batched_tokens=512, max_num_seqs=8,
+                              async_scheduling=False)
+    scheduler = cache_sim.build_scheduler("dense", engine, 1024)
+    manager = scheduler.kv_cache_manager
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    prompt = list(range(1000, 1064))  # 4 blocks of 16 tokens
+    first, second = (Request(name, prompt, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+                     for name in ("first", "second"))
+    lookups = []
+    vllm_seam.record_prefix_cache_lookups(manager, lambda request, hits: lookups.append((request.request_id, hits)))
+    assert vllm_seam.longest_cache_hit(manager, second.block_hashes, len(prompt) - 1) == 0
+    scheduler.add_request(first)
+    scheduler.schedule()  # computes and caches the first prompt's blocks
+    assert vllm_seam.longest_cache_hit(manager, second.block_hashes, len(prompt) - 1) == 48
+    scheduler.add_request(second)
+    output = scheduler.schedule()
+    assert lookups == [("first", 0), ("second", 48)]
+    assert output.num_scheduled_tokens["second"] == len(prompt) - 48

@@ -36,15 +36,13 @@ from vllm.v1.attention.backend import (
 from vllm_duo import vllm_seam
 from vllm_duo.config import LayerPlan, serving_plan
 from vllm_duo.gpu_attention import duo_attention_gpu
-from vllm_duo.kernels.reference import KVQuant, LayerHeads, duo_attention
-from vllm_duo.reorder import reorder_heads
+from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
+from vllm_duo.reorder import reorder_heads
 
 logger = init_logger(f"vllm.{__name__}")
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
 FORCE_TORCH_PATH = os.environ.get("VLLM_DUO_ATTENTION", "triton") == "torch"
-# vLLM stores fp8 caches as uint8; "fp8" is e4m3 on CUDA and CPU alike (ROCm's fnuz format is not supported).
-FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class DuoAttentionBackend(AttentionBackend):

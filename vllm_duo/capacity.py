@@ -7,17 +7,14 @@ import gc
 import os
 from dataclasses import dataclass
 
+from vllm_duo.vllm_seam import inproc_engine_core as engine_core  # an `LLM`'s in-process EngineCore
+
 
 @dataclass(frozen=True)
 class Capacity:
     backend: str
     kv_cache_tokens: int
     max_concurrency: float
-
-
-def engine_core(llm):
-    """The in-process EngineCore of an `LLM` built with VLLM_ENABLE_V1_MULTIPROCESSING=0."""
-    return llm.llm_engine.engine_core.engine_core
 
 
 def engine_capacity(llm, backend: str) -> Capacity:

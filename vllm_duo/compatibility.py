@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-DUO_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # and the model's own dtype by name
-FP8_KV_CACHE_DTYPES = DUO_KV_CACHE_DTYPES[1:]
+from vllm_duo.kernels import fp8
+
+FP8_KV_CACHE_DTYPES = tuple(fp8.KV_CACHE_DTYPES)
+DUO_KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)  # and the model's own dtype by name
 KERNEL_TILE = 16  # tokens: duo's block size must be a multiple (16 keeps a request's page groups, whole blocks, few)
 DENSE = "serve it with vLLM's default attention backend"
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vllm_duo.pattern import HeadPattern, PatternError, resolve_pattern
+from vllm_duo.pattern import HeadPattern, PatternError, ideal_kv_slots, resolve_pattern
 
 ADDITIONAL_CONFIG_KEY = "duo"
 
@@ -124,13 +124,17 @@ class DuoPlan:
         return self.retrieval_mask.size * per_head, int(self.retrieval_mask.sum()) * per_head
 
     def window_bytes(self, dtype_bytes: int) -> int:
-        """KV bytes of one request's streaming heads, ideally: sink + recent tokens of each."""
+        """KV bytes of one request's streaming heads, ideally, once it has sink + recent tokens: those of each."""
         return (self.sink + self.recent) * int((~self.retrieval_mask).sum()) * 2 * self.shape.head_dim * dtype_bytes
 
     def capacity_ratio(self, num_tokens: int, dtype_bytes: int) -> float:
-        """Requests of `num_tokens` tokens that fit in a KV cache, duo / dense, ideally (no page padding)."""
-        dense, duo = self.kv_bytes_per_token(dtype_bytes)
-        return dense * num_tokens / (duo * num_tokens + self.window_bytes(dtype_bytes))
+        """Requests of `num_tokens` tokens that fit in a KV cache, duo / dense, ideally (`ideal_kv_slots`: no page
+        padding, and a request shorter than sink + recent keeps only its tokens in the streaming heads)."""
+        dense, _ = self.kv_bytes_per_token(dtype_bytes)
+        num_retrieval = int(self.retrieval_mask.sum())
+        duo_slots = ideal_kv_slots(num_tokens, num_retrieval, self.retrieval_mask.size - num_retrieval, self.sink,
+                                   self.recent)
+        return dense * num_tokens / (duo_slots * 2 * self.shape.head_dim * dtype_bytes)
 
     def paged_capacity_ratio(self, num_tokens: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> float:
         """The same in duo's paged layout (kv_cache.py), which vLLM's "Maximum concurrency" counts (per rank)."""

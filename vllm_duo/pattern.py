@@ -274,6 +274,14 @@ class HeadPattern(_StrictModel):
         return mask.reshape(gates.shape)
 
 
+def ideal_kv_slots(context_len: int, num_retrieval: int, num_streaming: int, sink: int, recent: int) -> int:
+    """(token, KV head) slots of one request's KV cache without paging, each holding K and V of one token: every
+    token in each retrieval head, the first `sink` and last `recent` in each streaming head (a request shorter than
+    sink + recent: its tokens). The ideal figure of `vllm-duo patterns show` and of the server's startup line
+    (DuoPlan.capacity_ratio); kv_cache.py's pages round it up to whole blocks."""
+    return context_len * num_retrieval + min(context_len, sink + recent) * num_streaming
+
+
 
 def read_hf_config(model: str | Path) -> AttentionShape:
     """Attention shape from a Hugging Face config.json (or the model folder holding it)."""

@@ -25,6 +25,9 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | block_pool | all | duo's manager calls BlockPool's `get_new_blocks`, `free_blocks`, `evict_blocks`, `touch`, `get_cached_block`, `cache_full_blocks`, reads `hash_block_size`, `null_block`, and `resolve_block_hashes` |
 | platform_subclass | all | DuoCpuPlatform / DuoCudaPlatform override `check_and_update_config`, `get_attn_backend_cls` |
 | backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
+| inproc_engine_core | all | capacity.py reads an in-process `LLM`'s EngineCore (`llm_engine.engine_core.engine_core`), its scheduler's `kv_cache_config` and block pool (checked where used) |
+| prefix_cache_lookups | all | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used) |
+| bench_throughput_requests | all | `python -m vllm_duo.tools.bench --pretokenized` wraps `vllm.benchmarks.throughput.get_requests`: text prompts go as token ids (checked where used) |
 """
 
 from __future__ import annotations
@@ -544,6 +547,100 @@ def _check_manager_interface() -> str | None:
             or _source_mentions(SingleTypeKVCacheManager.__init__, MANAGER_STATE, "SingleTypeKVCacheManager.__init__"))
 
 
+# --- what duo's tools read of vLLM's engine and scheduler, and vLLM's bench they wrap ------------------------------
+
+def _check_inproc_engine_core() -> str | None:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return (_source_mentions(LLMEngine.__init__, ["self.engine_core ="], "LLMEngine.__init__")
+            or _source_mentions(InprocClient.__init__, ["self.engine_core = EngineCore("], "InprocClient.__init__")
+            or _source_mentions(EngineCore.__init__, ["self.scheduler"], "EngineCore.__init__")
+            or _source_mentions(Scheduler.__init__, ["self.kv_cache_config =", "self.kv_cache_manager ="],
+                                "Scheduler.__init__")
+            or _source_mentions(KVCacheManager.__init__, ["self.block_pool ="], "KVCacheManager.__init__")
+            or _source_mentions(BlockPool.__init__, ["self.num_gpu_blocks ="], "BlockPool.__init__")
+            or _missing(BlockPool, ["get_num_free_blocks"], "BlockPool"))
+
+
+def inproc_engine_core(llm):
+    """The EngineCore of an `LLM` built in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its `vllm_config`, and
+    its `scheduler`'s `kv_cache_config` and `kv_cache_manager.block_pool` (`num_gpu_blocks`, `get_num_free_blocks`)."""
+    check("inproc_engine_core")
+    return llm.llm_engine.engine_core.engine_core
+
+
+def _check_prefix_cache_lookups() -> str | None:
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    lookup, label = KVCacheManager.get_computed_blocks, "KVCacheManager.get_computed_blocks"
+    return (_expect_params(lookup, ["request"], label)
+            or _source_mentions(lookup, ["return blocks, num_new_computed_tokens"], label)  # [1]: the hit tokens
+            or _source_mentions(Scheduler, ["self.kv_cache_manager.get_computed_blocks(request)"], "Scheduler")
+            or _source_mentions(KVCacheManager.__init__, ["self.coordinator ="], "KVCacheManager.__init__")
+            or _expect_params(KVCacheCoordinator.find_longest_cache_hit, ["block_hashes", "max_cache_hit_length"],
+                              "KVCacheCoordinator.find_longest_cache_hit"))
+
+
+def record_prefix_cache_lookups(kv_cache_manager, record: Callable) -> None:
+    """Call `record(request, hit_tokens)` after each prefix-cache lookup that the scheduler makes in
+    `kv_cache_manager` (its `get_computed_blocks`, wrapped on this instance only: cache_sim's hit rate)."""
+    check("prefix_cache_lookups")
+    lookup = kv_cache_manager.get_computed_blocks
+
+    def get_computed_blocks(request):
+        found = lookup(request)
+        record(request, found[1])
+        return found
+
+    kv_cache_manager.get_computed_blocks = get_computed_blocks
+
+
+def longest_cache_hit(kv_cache_manager, block_hashes: list, max_length: int) -> int:
+    """Tokens of the longest prefix-cache hit of `block_hashes` in `kv_cache_manager`, at most `max_length`, as the
+    scheduler's lookup finds it (nothing is allocated or touched). Called many times a replay, so unchecked here:
+    `record_prefix_cache_lookups`, which cache_sim calls on the manager first, checks the touch."""
+    return kv_cache_manager.coordinator.find_longest_cache_hit(block_hashes, max_length)[1]
+
+
+def _check_throughput_requests() -> str | None:
+    from vllm.benchmarks import throughput
+
+    if not hasattr(throughput, "get_requests"):
+        return "vllm.benchmarks.throughput has no get_requests"
+    return (_expect_params(throughput.get_requests, ["args", "tokenizer"], "vllm.benchmarks.throughput.get_requests")
+            or _source_mentions(throughput, ["= get_requests(args, tokenizer)", '"prompt_token_ids" in request.prompt'],
+                                "vllm.benchmarks.throughput"))
+
+
+def pretokenize_bench_throughput() -> None:
+    """vLLM's `bench throughput` gets its requests from `vllm.benchmarks.throughput.get_requests` and sends a
+    request whose prompt is `{"prompt_token_ids": [...]}` as a TokensPrompt: wrap the sampler so that each text
+    prompt becomes the token ids vLLM's renderer would make of it (the tokenizer's default special tokens)."""
+    check("bench_throughput_requests")
+    from vllm.benchmarks import throughput
+
+    sample = throughput.get_requests
+    if getattr(sample, "_duo_pretokenized", False):
+        return
+
+    def get_requests(args, tokenizer):
+        requests = sample(args, tokenizer)
+        for request in requests:
+            if isinstance(request.prompt, str):
+                request.prompt = {"prompt_token_ids": tokenizer.encode(request.prompt)}
+        return requests
+
+    get_requests._duo_pretokenized = True
+    throughput.get_requests = get_requests
+
+
 TOUCHES = [
     Touch("backend_member_private", None, "0.31", _check_enum_private, _add_member_private),
     Touch("backend_member_public", "0.32.0", None, _check_register_backend, _add_member_public),
@@ -561,6 +658,9 @@ TOUCHES = [
     Touch("platform_subclass", None, None, _check_platforms),
     Touch("backend_interface", None, None, _check_backend_interface),
     Touch("manager_interface", None, None, _check_manager_interface),
+    Touch("inproc_engine_core", None, None, _check_inproc_engine_core),
+    Touch("prefix_cache_lookups", None, None, _check_prefix_cache_lookups),
+    Touch("bench_throughput_requests", None, None, _check_throughput_requests),
 ]
 BY_NAME = {touch.name: touch for touch in TOUCHES}
 
@@ -590,7 +690,8 @@ def add_backend_member() -> None:
 # kernels, which a vLLM process imports only once it runs the duo backend).
 CHECKED_AT_IMPORT = {"backend_interface", "manager_interface"}
 # Checked where duo's tools use them, not at vLLM startup (serving does not).
-CHECKED_WHERE_USED = {"kv_cache_layout_resolution"}
+CHECKED_WHERE_USED = {"kv_cache_layout_resolution", "inproc_engine_core", "prefix_cache_lookups",
+                      "bench_throughput_requests"}
 
 
 def install() -> None:

@@ -24,6 +24,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_duo import vllm_seam
+from vllm_duo.kernels import fp8
+
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 128, "hidden_size": 4096,
     "intermediate_size": 14336, "max_position_embeddings": 131072, "num_attention_heads": 32,
@@ -31,7 +34,7 @@ LLAMA_31_8B = {
     "torch_dtype": "bfloat16", "vocab_size": 128256,
 }
 DUO = {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
-KV_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+KV_DTYPES = {"bf16": "bfloat16", "fp8": fp8.KV_CACHE_DTYPES["fp8"]}  # --kv-cache-dtype -> torch dtype name
 BACKENDS = ("dense", "duo")
 BLOCK_SIZE = 16
 
@@ -195,8 +198,6 @@ def build_scheduler(backend: str, engine: Engine, max_model_len: int):
     else:
         specs = {name: FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=shape["num_key_value_heads"],
                                          head_size=shape["head_dim"], dtype=dtype) for name in names}
-    from vllm_duo import vllm_seam
-
     if backend == "duo":
         from vllm_duo.backend import DuoAttentionBackend
 
@@ -218,14 +219,10 @@ class _Lookups:
 
     def __init__(self, kv_cache_manager):
         self.last: dict[tuple[str, int], tuple[int, int]] = {}
-        lookup = kv_cache_manager.get_computed_blocks
+        vllm_seam.record_prefix_cache_lookups(kv_cache_manager, self._record)
 
-        def get_computed_blocks(request):
-            found = lookup(request)
-            self.last[request.request_id, request.num_preemptions] = (request.num_tokens, found[1])
-            return found
-
-        kv_cache_manager.get_computed_blocks = get_computed_blocks
+    def _record(self, request, hit_tokens: int) -> None:
+        self.last[request.request_id, request.num_preemptions] = (request.num_tokens, hit_tokens)
 
     def hit_rate(self) -> float:
         first = [v for (_, preemptions), v in self.last.items() if preemptions == 0]
@@ -234,12 +231,12 @@ class _Lookups:
 
 def _unreachable_pages(scheduler, prompts: list[list[int]], hashes: dict[int, list]) -> int:
     """Cached pages (block ids) at positions past the longest hit of some prompt of the trace."""
-    coordinator = scheduler.kv_cache_manager.coordinator
-    pool = coordinator.block_pool
+    manager = scheduler.kv_cache_manager
+    pool = manager.block_pool
     unreachable = set()
     for index in hashes:
         block_hashes = hashes[index]
-        hit = coordinator.find_longest_cache_hit(block_hashes, len(prompts[index]) - 1)[1]
+        hit = vllm_seam.longest_cache_hit(manager, block_hashes, len(prompts[index]) - 1)
         for block_hash in block_hashes[hit // BLOCK_SIZE:(len(prompts[index]) - 1) // BLOCK_SIZE]:
             page = pool.get_cached_block(block_hash, [0])
             if page is None:

