@@ -291,7 +291,7 @@ def test_failed_runs_are_recorded_the_suite_goes_on_and_exits_1(tmp_path, monkey
     else:
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     fake_vllm = "import os, sys; print('boom, KV cache', os.environ.get('VLLM_CPU_KVCACHE_SPACE')); sys.exit(3)"
-    monkeypatch.setattr(offline, "vllm_cli", lambda: [sys.executable, "-c", fake_vllm])
+    monkeypatch.setattr(offline, "vllm_cli", lambda pretokenized=False: [sys.executable, "-c", fake_vllm])
     out = tmp_path / "results"
     assert cli.main(["bench", "--workloads", "tiny", "--model", str(tmp_path), "--sparsity", "0.25", "0.5",
                      "--out", str(out)]) == 1
