@@ -233,6 +233,16 @@ def test_startup_figures_from_a_log():
     assert loaded["prefix_cache_hit_rate"] == pytest.approx(0.867)
 
 
+@pytest.mark.parametrize("device", ["GPU", "CPU", "GPU + host"])
+def test_startup_figures_from_the_one_line_of_vllm_0_30_on(device):
+    """vLLM 0.30+ logs both figures on one line, named by the device ("CPU" on the CPU stack)."""
+    log = (f"(EngineCore pid=1) INFO [kv_cache_utils.py:2328] {device} KV cache size: 457,288 tokens, "
+           "Maximum concurrency for 17,000 tokens per request: 26.90x")
+    figures = logs.startup_figures(log)
+    assert figures["kv_cache_tokens"] == 457288 and figures["max_concurrency"] == 26.9
+    assert figures["max_concurrency_len"] == 17000
+
+
 def _stats_line(clock: str, running: int, waiting: int, kv: float, extra: str = "") -> str:
     return (f"(APIServer pid=7) INFO 11-24 {clock} [loggers.py:310] Engine 000: Avg prompt throughput: 16000.0 tokens/s,"
             f" Avg generation throughput: 500.0 tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, {extra}"

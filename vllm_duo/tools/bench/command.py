@@ -3,7 +3,7 @@
 
 Every run is one subprocess of vLLM's CLI (`bench throughput`, `bench latency`, or `bench serve` against an OpenAI
 server started here for that backend), with its output kept in a log. The harness reads vLLM's --output-json and the
-startup lines "GPU KV cache size" and "Maximum concurrency" from the log, records a failed run with the tail of its
+startup lines "KV cache size" and "Maximum concurrency" from the log, records a failed run with the tail of its
 log and goes on, and rewrites results.json and results.md after every run (report.py draws tables and plots).
 """
 

@@ -11,7 +11,10 @@ from pathlib import Path
 
 from vllm_duo.tools.bench.workloads import Workload
 
-_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+# vLLM's startup line: "GPU KV cache size: N tokens" on every device up to 0.29 (0.28-0.29 with "Maximum concurrency
+# ..." on the same line); from 0.30 "<device> KV cache size: N tokens, Maximum concurrency ...", the device "GPU" on
+# CUDA, "CPU" on the CPU stack (0.32: "GPU + host" with HiSparse).
+_KV_TOKENS = re.compile(r"\bKV cache size: ([\d,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 _THROUGHPUT = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s")
 _RETRIEVAL = re.compile(r"retrieval ratio ([\d.]+)")

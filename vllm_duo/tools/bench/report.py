@@ -124,7 +124,7 @@ class Report:
             if self.index.of(name):
                 lines += self.workload_section(name)
         lines += ["## Capacity at every request length run", "",
-                  "vLLM's own startup figures (\"GPU KV cache size\", \"Maximum concurrency for N tokens per request\")"
+                  "vLLM's own startup figures (\"KV cache size\", \"Maximum concurrency for N tokens per request\")"
                   " from every run's log.", ""] + tables.all_capacity_rows(self.index) + [""]
         lines += self.model_section()
         if plots:
