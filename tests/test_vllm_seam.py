@@ -268,3 +268,22 @@ def test_prefix_cache_lookups_are_recorded_as_the_scheduler_makes_them():
     output = scheduler.schedule()
     assert lookups == [("first", 0), ("second", 48)]
     assert output.num_scheduled_tokens["second"] == len(prompt) - 48
+
+
+def test_cache_sim_stops_in_one_line_on_a_vllm_it_is_not_for(monkeypatch):
+    """vLLM 0.33 moved what cache_sim builds its scheduler from: the tool stops with one line, before any import."""
+    monkeypatch.setattr(vllm_seam, "vllm_version", lambda: (0, 33, 0))
+    monkeypatch.setattr(vllm_seam, "installed_version", lambda: "0.33.0")
+    with pytest.raises(vllm_seam.SeamError) as error:
+        vllm_seam.require("prefix_cache_lookups")
+    assert "\n" not in str(error.value) and "vLLM 0.26.0 to 0.32.x" in str(error.value)
+
+
+def test_duo_keeps_its_block_size_when_the_platform_asks_after_load():
+    """vLLM 0.33's CPU platform asks the backend for its block size after the model is loaded (its default 128):
+    duo answers the size its page layout was planned for."""
+    from vllm_duo import DUO_BLOCK_SIZE
+    from vllm_duo.backend import DuoAttentionBackend
+
+    assert DuoAttentionBackend.get_preferred_block_size(128) == DuoAttentionBackend.get_preferred_block_size(16)
+    assert DuoAttentionBackend.get_preferred_block_size(128) == DUO_BLOCK_SIZE

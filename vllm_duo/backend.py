@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_duo import vllm_seam
+from vllm_duo import DUO_BLOCK_SIZE, vllm_seam
 from vllm_duo.config import LayerPlan, serving_plan
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
@@ -66,6 +66,12 @@ class DuoAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
         return [MultipleOf(16)]  # vLLM 0.31+ passes the layer's spec
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """duo's block size whatever the platform's default: vLLM 0.33's CPU platform picks its 128 after the model
+        is loaded, when each layer is already bound to the page layout of the size duo set (platforms.py)."""
+        return DUO_BLOCK_SIZE
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 
-from vllm_duo import BACKEND_PATH
+from vllm_duo import BACKEND_PATH, DUO_BLOCK_SIZE
 
-DUO_BLOCK_SIZE = 16
 TP_IMBALANCE_WARNING = 0.1  # warn when uneven retrieval counts across TP ranks cost more than 10% page memory
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 

@@ -26,7 +26,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | platform_subclass | all | DuoCpuPlatform / DuoCudaPlatform override `check_and_update_config`, `get_attn_backend_cls` |
 | backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
 | inproc_engine_core | all | capacity.py reads an in-process `LLM`'s EngineCore (`llm_engine.engine_core.engine_core`), its scheduler's `kv_cache_config` and block pool (checked where used) |
-| prefix_cache_lookups | all | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used) |
+| prefix_cache_lookups | 0.26-0.32 | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used) |
 | bench_throughput_requests | all | `python -m vllm_duo.tools.bench --pretokenized` wraps `vllm.benchmarks.throughput.get_requests`: text prompts go as token ids (checked where used) |
 """
 
@@ -588,10 +588,21 @@ def _check_prefix_cache_lookups() -> str | None:
                               "KVCacheCoordinator.find_longest_cache_hit"))
 
 
+def require(name: str) -> None:
+    """Raise SeamError (one line) unless touch `name` is for the installed vLLM and its check holds: for a tool
+    that cannot run without it (cache_sim)."""
+    item = BY_NAME[name]
+    if not item.applies():
+        raise SeamError(f"vllm-duo on vLLM {installed_version()}: {name} is for {item.versions()} only "
+                        "(vLLM 0.33 sizes a scheduler's KV cache in kv_cache_planning and passes max_cache_hit_length "
+                        "to get_computed_blocks); use vLLM 0.26-0.32 for it")
+    check(name)
+
+
 def record_prefix_cache_lookups(kv_cache_manager, record: Callable) -> None:
     """Call `record(request, hit_tokens)` after each prefix-cache lookup that the scheduler makes in
     `kv_cache_manager` (its `get_computed_blocks`, wrapped on this instance only: cache_sim's hit rate)."""
-    check("prefix_cache_lookups")
+    require("prefix_cache_lookups")
     lookup = kv_cache_manager.get_computed_blocks
 
     def get_computed_blocks(request):
@@ -659,7 +670,7 @@ TOUCHES = [
     Touch("backend_interface", None, None, _check_backend_interface),
     Touch("manager_interface", None, None, _check_manager_interface),
     Touch("inproc_engine_core", None, None, _check_inproc_engine_core),
-    Touch("prefix_cache_lookups", None, None, _check_prefix_cache_lookups),
+    Touch("prefix_cache_lookups", None, "0.32", _check_prefix_cache_lookups),
     Touch("bench_throughput_requests", None, None, _check_throughput_requests),
 ]
 BY_NAME = {touch.name: touch for touch in TOUCHES}

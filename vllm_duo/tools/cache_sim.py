@@ -173,6 +173,7 @@ def _model_folder() -> tempfile.TemporaryDirectory:
 
 def build_scheduler(backend: str, engine: Engine, max_model_len: int):
     """vLLM's scheduler over a KV cache of `engine.dense_kv_tokens` dense tokens' bytes, laid out as `backend`."""
+    vllm_seam.require("prefix_cache_lookups")  # before the imports that vLLM 0.33 moved
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
