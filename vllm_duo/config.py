@@ -251,7 +251,6 @@ class LayerPlan:
     `host`; None: no streaming heads).
     """
 
-    index: int
     retrieval: tuple[int, ...]
     page_heads: int
     placement: object | None  # kv_cache.StreamPlacement
@@ -260,7 +259,7 @@ class LayerPlan:
 @dataclass(frozen=True)
 class ServingPlan:
     """The plan as one rank of one engine serves it, resolved once per process from the vLLM config and read by
-    the KV cache spec, the load step, the metadata builder and every layer's attention."""
+    the KV cache spec, the load step, the metadata builder and every layer's attention (`layers[l]`: layer l)."""
 
     plan: DuoPlan
     layout: object  # kv_cache.PageLayout
@@ -282,7 +281,7 @@ def serving_plan(vllm_config) -> ServingPlan:
     key = (id(plan), vllm_config.cache_config.block_size, tp_size, rank)
     if key not in _SERVING_PLANS or _SERVING_PLANS[key].plan is not plan:  # plans are cached (`_cached_plan`)
         layout = plan.page_layout(vllm_config.cache_config.block_size, tp_size)
-        layers = tuple(LayerPlan(index, tuple(plan.retrieval_heads(index, rank, tp_size)), layout.page_heads[index],
+        layers = tuple(LayerPlan(tuple(plan.retrieval_heads(index, rank, tp_size)), layout.page_heads[index],
                                  layout.placements[index]) for index in range(plan.shape.num_layers))
         _SERVING_PLANS[key] = ServingPlan(plan, layout, layers)
     return _SERVING_PLANS[key]

@@ -7,8 +7,8 @@ retrieval heads are KV heads 0..R-1 (query heads 0..R*G-1) and its streaming hea
 kind is one contiguous slice. Under tensor parallelism each rank permutes its own shard, within its
 own heads.
 
-The load step (backend.bind_duo_layers) runs this before vLLM's post-load processing, which may repack or quantize weights
-(oneDNN on CPU, fp8 on GPU). Checkpoints vLLM loads into quantized layers keep the model's order;
+The load step (backend.bind_duo_layers) runs this before vLLM's post-load processing, which may repack or
+quantize weights (oneDNN on CPU, fp8 on GPU). Checkpoints vLLM loads into quantized layers keep the model's order;
 their layers run on the same index maps (`LayerHeads`), which work for any order.
 """
 

@@ -26,7 +26,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | platform_subclass | all | DuoCpuPlatform / DuoCudaPlatform override `check_and_update_config`, `get_attn_backend_cls` |
 | backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
 | inproc_engine_core | all | capacity.py reads an in-process `LLM`'s EngineCore (`llm_engine.engine_core.engine_core`), its scheduler's `kv_cache_config` and block pool (checked where used) |
-| prefix_cache_lookups | 0.26-0.32 | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used) |
+| prefix_cache_lookups | 0.26-0.32 | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used; 0.33 passes `max_cache_hit_length` to the lookup and moved `get_kv_cache_configs` to kv_cache_planning with a fourth argument, so cache_sim stops there) |
 | bench_throughput_requests | all | `python -m vllm_duo.tools.bench --pretokenized` wraps `vllm.benchmarks.throughput.get_requests`: text prompts go as token ids (checked where used) |
 """
 
@@ -593,9 +593,8 @@ def require(name: str) -> None:
     that cannot run without it (cache_sim)."""
     item = BY_NAME[name]
     if not item.applies():
-        raise SeamError(f"vllm-duo on vLLM {installed_version()}: {name} is for {item.versions()} only "
-                        "(vLLM 0.33 sizes a scheduler's KV cache in kv_cache_planning and passes max_cache_hit_length "
-                        "to get_computed_blocks); use vLLM 0.26-0.32 for it")
+        raise SeamError(f"vllm-duo on vLLM {installed_version()}: {name} is for {item.versions()} only; "
+                        "use a vLLM in that range for it")
     check(name)
 
 

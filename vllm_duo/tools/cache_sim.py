@@ -183,8 +183,8 @@ def build_scheduler(backend: str, engine: Engine, max_model_len: int):
     from vllm.v1.structured_output import StructuredOutputManager
 
     args = dict(model=_model_folder().name, skip_tokenizer_init=True, max_model_len=max_model_len,
-                block_size=BLOCK_SIZE,
-                max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
+                block_size=BLOCK_SIZE, max_num_batched_tokens=engine.max_num_batched_tokens,
+                max_num_seqs=engine.max_num_seqs,
                 enable_prefix_caching=True, async_scheduling=engine.async_scheduling)
     if backend == "duo":
         args.update(attention_backend="duo", additional_config={"duo": engine.duo})
@@ -193,17 +193,13 @@ def build_scheduler(backend: str, engine: Engine, max_model_len: int):
     shape = LLAMA_31_8B
     names = [f"model.layers.{i}.self_attn.attn" for i in range(shape["num_hidden_layers"])]
     if backend == "duo":
-        from vllm_duo.backend import layer_kv_cache_spec
+        from vllm_duo.backend import DuoAttentionBackend, layer_kv_cache_spec
 
         specs = {name: layer_kv_cache_spec(vllm_config, i, shape["head_dim"], dtype) for i, name in enumerate(names)}
+        layout_backends = [DuoAttentionBackend]
     else:
         specs = {name: FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=shape["num_key_value_heads"],
                                          head_size=shape["head_dim"], dtype=dtype) for name in names}
-    if backend == "duo":
-        from vllm_duo.backend import DuoAttentionBackend
-
-        layout_backends = [DuoAttentionBackend]
-    else:
         layout_backends = []  # the dense GPU backends (FlashAttention) declare no layouts: vLLM's default preference
     vllm_seam.resolve_kv_cache_layout(vllm_config, layout_backends, specs.values())
     dense_bytes_per_token = len(names) * shape["num_key_value_heads"] * shape["head_dim"] * 2 * dtype.itemsize
