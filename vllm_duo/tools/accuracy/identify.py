@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
-from vllm_duo.tools.accuracy.training import (LENGTH_INTERVALS, IdentifySettings, TrainResult, checkpoint_steps,
-                                              train)
+from vllm_duo.tools.accuracy.training import (LENGTH_INTERVALS, REPEATED_PERIOD, IdentifySettings, TrainResult,
+                                              checkpoint_steps, train)
 from vllm_duo.tools.pattern_commands import pattern_from_gates, show
 from vllm_duo.tools.processes import free_port
 
@@ -68,7 +68,9 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
         f"the last 20%, both floored at 0.1x), gates clamped to [0, 1] after every step; {settings.steps} steps, "
         f"{settings.batch_size} sample(s) per step and process x {result.world_size} process(es); data: "
         f"{settings.passkeys} 5-digit passkeys per prompt at random depths of varied filler sentences "
-        f"(vllm_duo/tools/accuracy/passkey.py), prompt length {length} tokens, seed {settings.seed}; {result.dtype} on "
+        f"(vllm_duo/tools/accuracy/passkey.py)"
+        + (f", in {100 * settings.repeated:g}% of prompts one paragraph of {REPEATED_PERIOD[0]}-{REPEATED_PERIOD[1]} "
+           "such sentences repeated" if settings.repeated else "") + f", prompt length {length} tokens, seed {settings.seed}; {result.dtype} on "
         f"{result.device}" + (", gradient checkpointing" if settings.grad_checkpoint else ""))
     final = result.history[-1]
     last = result.history[-max(1, len(result.history) // 10):]

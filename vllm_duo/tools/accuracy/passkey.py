@@ -46,12 +46,14 @@ class PasskeyPrompt:
 STORY = (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)
 
 
-def haystack_sentences(encode, rng: random.Random, budget: int,
-                       parts: tuple[tuple[str, ...], ...] = STORY) -> list[list[int]]:
-    """Varied haystack sentences drawn by `rng` from `parts`, each encoded, as many as fit in `budget` tokens."""
+def haystack_sentences(encode, rng: random.Random, budget: int, parts: tuple[tuple[str, ...], ...] = STORY,
+                       period: int | None = None) -> list[list[int]]:
+    """Varied haystack sentences drawn by `rng` from `parts`, each encoded, as many as fit in `budget` tokens; with
+    `period`, a paragraph of that many sentences repeated (the classic test's kind of haystack)."""
     sentences, length = [], 0
+    paragraph = [" ".join(rng.choice(part) for part in parts) + "." for _ in range(period or 0)]
     while True:
-        text = " ".join(rng.choice(part) for part in parts) + "."
+        text = paragraph[len(sentences) % period] if period else " ".join(rng.choice(part) for part in parts) + "."
         sentence = encode(" " + text)
         if length + len(sentence) > budget:
             return sentences
@@ -108,6 +110,24 @@ def passkey_prompt(tokenizer, context_len: int, rng: random.Random, depth: float
     )
 
 
+# The classic passkey test word for word, as the long-context literature runs it (Mohtashami and Jaggi's Landmark
+# Attention prompt; DuoAttention's and LongLoRA's passkey figures): one key in a haystack of one repeated paragraph.
+CLASSIC_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+                 "memorize it. I will quiz you about it.\n")
+CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+CLASSIC_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+CLASSIC_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def classic_passkey_text(repeats: int, depth: float, key: str) -> tuple[str, int]:
+    """(prompt, needle's character offset): CLASSIC_FILLER `repeats` times, the needle after int(repeats x depth)
+    of them. Unlike passkey_prompt, the needle may sit inside a streaming head's window (depth near 1, few repeats):
+    this is the test as published."""
+    before = CLASSIC_INTRO + CLASSIC_FILLER * int(repeats * depth)
+    text = before + CLASSIC_NEEDLE.format(key=key) + CLASSIC_FILLER * (repeats - int(repeats * depth))
+    return text + CLASSIC_QUESTION, len(before)
+
+
 # The multi-key versions of NEEDLE and QUESTION: with several keys each needs a name.
 ORDINAL_NEEDLE = "The {ordinal} pass key is {passkey}. Remember it. {passkey} is the {ordinal} pass key."
 ORDINAL_QUESTION = "What is the {ordinal} pass key? The {ordinal} pass key is"
@@ -128,8 +148,9 @@ class PasskeySample:
 
 
 def multi_passkey_prompt(tokenizer, context_len: int, rng: random.Random, num_passkeys: int, *, sink: int,
-                         recent: int) -> PasskeySample:
-    """`num_passkeys` 5-digit passkeys at random depths of a haystack, then a question and answer for each.
+                         recent: int, period: int | None = None) -> PasskeySample:
+    """`num_passkeys` 5-digit passkeys at random depths of a haystack (a paragraph of `period` sentences repeated,
+    if given), then a question and answer for each.
 
     Like passkey_prompt, needles go between haystack sentences and only where a streaming head with
     `sink` + `recent` cannot see them from the questions: after the first `sink` tokens and more than `recent`
@@ -145,7 +166,7 @@ def multi_passkey_prompt(tokenizer, context_len: int, rng: random.Random, num_pa
     qa = [encode(" " + ORDINAL_QUESTION.format(ordinal=o)) + encode(" " + ORDINAL_ANSWER.format(passkey=p))
           for o, p in zip(ordinals, passkeys)]
     budget = context_len - len(intro) - sum(map(len, needles)) - sum(map(len, qa))
-    sentences = haystack_sentences(encode, rng, budget)
+    sentences = haystack_sentences(encode, rng, budget, period=period)
     haystack_len = sum(map(len, sentences))
 
     # Token offset before sentence i counting intro and haystack only; a needle placed there moves by the needles

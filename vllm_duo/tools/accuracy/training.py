@@ -4,7 +4,8 @@ mixes full and streaming attention in the frozen Hugging Face model, trained so 
 hidden states on multi-passkey prompts.
 
 Haystack: the varied filler sentences of passkey.py (subject, verb, object and ending drawn from fixed lists,
-12^4 sentences, no digits), generated offline from a seed. The reference trains on BookSum chapters, which are not
+12^4 sentences, no digits), generated offline from a seed; with `repeated`, that share of prompts repeats one short
+paragraph of them instead, the kind of haystack the classic passkey test uses (issue 31). The reference trains on BookSum chapters, which are not
 available offline; repeated text ("The grass is green. ...") gives every token an exact copy one period back that
 copy heads latch onto, and it is far from what a model reads. Varied digit-free sentences avoid both, and the
 passkeys are the only numbers in the prompt, so the question tokens can only be answered from the needles.
@@ -31,6 +32,8 @@ SAVE_EVERY = 50  # steps between checkpoint writes, when a checkpoint path is gi
 # from 1,000 tokens to the model-specific maximum length".
 LENGTH_INTERVALS = 50
 _ATTENTION = "duo_gated"
+# Sentences of a repeated-haystack prompt's paragraph, drawn uniformly (the classic passkey paragraph has five).
+REPEATED_PERIOD = (3, 8)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class IdentifySettings:
     sink: int = 64
     recent: int = 256
     passkeys: int = 10
+    repeated: float = 0.0  # the share of prompts whose haystack is one short paragraph repeated
     seed: int = 42
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     grad_checkpoint: bool = False
@@ -67,6 +71,8 @@ class IdentifySettings:
             problems.append(f"passkeys must be in [1, {len(ORDINALS)}]")
         if self.sink < 0 or self.recent < 1:
             problems.append("sink must be >= 0 and recent >= 1")
+        if not 0.0 <= self.repeated <= 1.0:
+            problems.append("the repeated-haystack share must be in [0, 1]")
         if self.lr <= 0 or self.reg_weight < 0:
             problems.append("lr must be positive and reg weight non-negative")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -240,8 +246,9 @@ class GateTrainer:
         rng = random.Random(f"{self.settings.seed}/{index}")
         low = self.settings.min_context_len or self.settings.context_len
         length = int(rng.choice(np.linspace(low, self.settings.context_len, LENGTH_INTERVALS).round()))
+        period = rng.randint(*REPEATED_PERIOD) if rng.random() < self.settings.repeated else None
         return multi_passkey_prompt(self.tokenizer, length, rng, self.settings.passkeys, sink=self.settings.sink,
-                                    recent=self.settings.recent)
+                                    recent=self.settings.recent, period=period)
 
     def distill_loss(self, sample: PasskeySample) -> torch.Tensor:
         """Mean over supervised tokens of the squared distance (averaged over the hidden size) between the final
