@@ -65,6 +65,20 @@ for stage in "$@"; do
         | tee -a "$dir/identify.log" | grep -v "^identify: .*[0-9]%|" | tail -14
       grep "^identify: " "$dir/identify.log" | tail -1
       cp $dir/identify.log "$OUT/"; cp $dir/*.json "$OUT/" 2>/dev/null ;;
+    identify_bg)  # the identify stage without a time limit, in a session of its own (setsid): it outlives this call
+      # and trains on while the machine stays warm, beside the evals of the next calls; identify_status reports it.
+      dir=$WORK/identify${IDENTIFY_NAME:+-$IDENTIFY_NAME}; mkdir -p $dir
+      setsid nohup python3 -m vllm_duo.tools.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
+        --checkpoint $dir/state.pt -o $dir/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
+        --alias HuggingFaceTB/SmolLM2-135M-Instruct --alias smollm2 --license Apache-2.0 ${IDENTIFY_ARGS:-} \
+        > $dir/identify.log 2>&1 < /dev/null &
+      echo "started $dir (pid $!)" ;;
+    identify_status)  # the last line of every identify run in $WORK; finished ones' patterns and logs into $OUT
+      for dir in $WORK/identify*; do
+        echo "$dir: $(tr '\r' '\n' < $dir/identify.log | grep -v '^ *$' | tail -1 | cut -c1-200)"
+        [ -f $dir/SmolLM2-135M-Instruct.json ] && mkdir -p "$OUT/${dir##*/}" && cp $dir/*.json "$OUT/${dir##*/}/" \
+          && tr '\r' '\n' < $dir/identify.log | grep -v "^identify: .*[0-9]%|" > "$OUT/${dir##*/}/identify.log"
+      done ;;
     eval)  # needle eval through vLLM on SmolLM2 (issue 20): the default 400 prompts (1k-6k tokens) x 7 methods, one engine
       # per method and per context for streaming50 (11 engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS:
       # more options (e.g. --methods ...). Results are written after each method, so a run stopped by the deadline
