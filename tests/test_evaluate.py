@@ -48,13 +48,17 @@ def test_prompts_hide_the_needle_from_streaming_heads(tokenizer, smollm2_dir, te
 
 def test_classic_passkey_prompts_are_the_published_test(tokenizer, smollm2_dir):
     """Word for word the classic test (issue 31): intro, the paragraph repeated, the needle after int(R x depth)
-    repeats, the question; SmolLM2 token counts as measured there (1,506 tokens at 60 repeats ... 7,026 at 290)."""
+    repeats (a depth drawn per prompt), the question; SmolLM2 token counts as measured there (1,506 tokens at 60
+    repeats ... 7,026 at 290)."""
     settings = evaluate.EvalSettings(model=smollm2_dir, out="-", families=("passkey",),
                                      passkey_repeats=evaluate.DEFAULT_PASSKEY_REPEATS, depths=(0.1, 0.5, 0.9),
                                      samples=2)
     cases = evaluate.make_cases(tokenizer, settings)
     assert len(cases) == 5 * 3 * 2 and {c.family for c in cases} == {"passkey"}
-    assert [c.context_len for c in cases if c.depth == 0.5 and c.sample == 0] == [1506, 2706, 4146, 5586, 7026]
+    assert all(c.context_len == {60: 1506, 110: 2706, 170: 4146, 230: 5586, 290: 7026}[c.row] for c in cases)
+    depths = [c.depth for c in cases]  # drawn per prompt in [0.1, 0.9], not one per grid cell
+    assert min(depths) >= 0.1 and max(depths) <= 0.9 and len(set(depths)) == len(cases)
+    assert [evaluate.depth_column(d, (0.1, 0.5, 0.9)) for d in (0.1, 0.29, 0.31, 0.7, 0.71)] == [0.1, 0.1, 0.5, 0.5, 0.9]
     for case in cases:
         text = tokenizer.decode(case.prompt)
         before = int(case.row * case.depth)

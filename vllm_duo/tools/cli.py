@@ -303,8 +303,8 @@ def _add_eval_command(commands: _Subparsers) -> None:
                              f"{' '.join(DEFAULT_NEEDLES)})")
     parser.add_argument("--haystacks", nargs="+", default=list(HAYSTACKS), choices=HAYSTACKS, metavar="NAME",
                         help=f"haystack styles, taken in turn (default: {' '.join(HAYSTACKS)})")
-    parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
-    parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
+    parser.add_argument("--sink", type=int, help="duo sink tokens (default: the pattern's)")
+    parser.add_argument("--recent", type=int, help="duo recent tokens (default: the pattern's)")
     parser.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per answer (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the random pattern (default 0)")
     parser.add_argument("--dtype", help="vLLM dtype (default float32 on CPU, auto on GPU)")

@@ -164,12 +164,13 @@ def report(results: dict) -> str:
                     for field, names in kinds for name in names) + " |")
         where = ("among the places a streaming head with the duo sink and recent cannot see from the question: 0 = the "
                  "first after the sink, 1 = the last before the recent window" if family == "needles" else
-                 "the needle follows int(repeats x depth) of the paragraph's repeats")
+                 "the needle follows int(repeats x depth) of the paragraph's repeats, depth drawn per prompt and "
+                 "shown in the nearest column")
         lines += ["", f"Accuracy per row and needle depth (columns; {where}):", ""]
         for m in results["methods"]:
             lines += [f"**{m['method']}**", "", "| row | " + " | ".join(f"{d:g}" for d in depths) + " |",
                       "|---" * (len(depths) + 1) + "|"]
-            lines += [f"| {label} | " + " | ".join(f"{100 * v:.0f}%" for v in grid_row) + " |"
+            lines += [f"| {label} | " + " | ".join("-" if v is None else f"{100 * v:.0f}%" for v in grid_row) + " |"
                       for label, grid_row in zip(labels, m["families"][family]["grid"])]
             lines.append("")
     lines += ["## Notes", "",
@@ -200,7 +201,7 @@ def write_heatmaps(results: dict, out: Path) -> None:
 
     def draw(axes, method, family):
         own = method["families"][family]
-        grid = np.array(own["grid"])
+        grid = np.array(own["grid"], dtype=float)  # an empty cell (None) is nan: blank
         image = axes.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
         axes.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
         axes.set_yticks(range(len(own["row_tokens"])), [str(t) for t in own["row_tokens"].values()])
@@ -208,7 +209,8 @@ def write_heatmaps(results: dict, out: Path) -> None:
         axes.set_ylabel("prompt (tokens)")
         axes.set_title(f"{method['method']}: {100 * own['accuracy']:.1f}%", fontsize=10)
         for (row, col), value in np.ndenumerate(grid):
-            axes.text(col, row, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
+            if not np.isnan(value):
+                axes.text(col, row, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
         return image
 
     for family in families(results):

@@ -149,20 +149,28 @@ def make_cases(tokenizer, settings: EvalSettings) -> list[Case]:
 
 
 def passkey_cases(tokenizer, settings: EvalSettings) -> list[Case]:
-    """The classic passkey test (passkey.classic_passkey_text) per repeats x depth x sample, a 5-digit key each."""
+    """The classic passkey test (passkey.classic_passkey_text) as the literature runs it: per repeat count,
+    depths x samples prompts, each with its own depth drawn uniformly between the smallest and largest of
+    `settings.depths` and its own 5-digit key. A depth grid would give all samples of a cell one prompt but for the
+    key (the haystack is one paragraph repeated), so a cell would be one test 16 times over."""
     cases = []
     for repeats in settings.passkey_repeats:
-        for depth in settings.depths:
-            for sample in range(settings.samples):
-                key = str(random.Random(f"{settings.seed}/passkey/{repeats}/{depth}/{sample}").randint(10000, 99999))
-                text, needle_at = classic_passkey_text(repeats, depth, key)
-                encoded = tokenizer(text, return_offsets_mapping=True)
-                prompt = encoded.input_ids
-                # the first token that reaches into the needle (" The" carries the paragraph's last space)
-                needle_start = next(i for i, (_, end) in enumerate(encoded.offset_mapping) if end > needle_at)
-                cases.append(Case("passkey", repeats, len(prompt), depth, sample, "passkey", "classic", prompt, key,
-                                  needle_start))
+        for sample in range(len(settings.depths) * settings.samples):
+            rng = random.Random(f"{settings.seed}/passkey/{repeats}/{sample}")
+            depth = round(rng.uniform(min(settings.depths), max(settings.depths)), 4)
+            key = str(rng.randint(10000, 99999))
+            text, needle_at = classic_passkey_text(repeats, depth, key)
+            encoded = tokenizer(text, return_offsets_mapping=True)
+            # the first token that reaches into the needle (" The" carries the paragraph's last space)
+            needle_start = next(i for i, (_, end) in enumerate(encoded.offset_mapping) if end > needle_at)
+            cases.append(Case("passkey", repeats, len(encoded.input_ids), depth, sample, "passkey", "classic",
+                              encoded.input_ids, key, needle_start))
     return cases
+
+
+def depth_column(depth: float, depths: tuple[float, ...]) -> float:
+    """The grid column of a depth: the nearest of `depths` (a passkey prompt's depth is drawn between them)."""
+    return min(depths, key=lambda column: (abs(column - depth), column))
 
 
 def needle_cases(tokenizer, settings: EvalSettings) -> list[Case]:
@@ -214,8 +222,8 @@ class EvalSettings:
     ask_first: bool = False
     needles: tuple[str, ...] = DEFAULT_NEEDLES
     haystacks: tuple[str, ...] = tuple(HAYSTACKS)
-    sink: int = 64
-    recent: int = 256
+    sink: int | None = None  # None: the pattern's
+    recent: int | None = None
     max_tokens: int = 8
     seed: int = 0
     dtype: str | None = None  # None: float32 on CPU, vLLM's "auto" on GPU
@@ -232,7 +240,9 @@ class EvalSettings:
                   "--depths", *(f"{d:g}" for d in self.depths), "--samples", str(self.samples),
                   "--template", self.template, *(["--ask-first"] if self.ask_first else []),
                   "--needles", *self.needles, "--haystacks", *self.haystacks,
-                  "--sink", str(self.sink), "--recent", str(self.recent), "--max-tokens", str(self.max_tokens),
+                  *(["--sink", str(self.sink)] if self.sink is not None else []),
+                  *(["--recent", str(self.recent)] if self.recent is not None else []),
+                  "--max-tokens", str(self.max_tokens),
                   "--seed", str(self.seed)]
         if self.dtype:
             parts += ["--dtype", self.dtype]
@@ -331,6 +341,8 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     num_heads = shape.num_layers * shape.num_kv_heads
     pattern, pattern_source = resolve_pattern(settings.pattern, settings.model)
     pattern.check_model(*shape, model_name=settings.model)
+    settings = replace(settings, sink=pattern.sink if settings.sink is None else settings.sink,
+                       recent=pattern.recent if settings.recent is None else settings.recent)
 
     # For the engines' process, which inherits this environment: one in-process engine at a time (fast starts,
     # exceptions surface in _generate).
@@ -400,7 +412,8 @@ def _summary(method: Method, records: list[dict], settings: EvalSettings, num_he
     for family in settings.families:
         mine = [r for r in records if r["method"] == method.name and r["family"] == family]
         rows = settings.contexts if family == "needles" else settings.passkey_repeats
-        grid = [[float(np.mean([r["correct"] for r in mine if r["row"] == row and r["depth"] == d]))
+        columns = [depth_column(r["depth"], settings.depths) for r in mine]
+        grid = [[_mean([r["correct"] for r, c in zip(mine, columns) if r["row"] == row and c == d])
                  for d in settings.depths] for row in rows]
         row_tokens = {str(row): round(float(np.mean([r["context_len"] for r in mine if r["row"] == row])))
                       for row in rows}
@@ -421,6 +434,11 @@ def _summary(method: Method, records: list[dict], settings: EvalSettings, num_he
             "grid": grid, "row_tokens": row_tokens, "kv_fraction": kv}
     return {"method": method.name, "kind": method.kind, "sparsity": method.sparsity, "kv_cache": method.kv_cache,
             "reference": reference, "families": families}
+
+
+def _mean(values: list[bool]) -> float | None:
+    """The share of True, or None for an empty grid cell (a passkey depth bin no draw fell into)."""
+    return float(np.mean(values)) if values else None
 
 
 def _rows(settings: EvalSettings) -> list[tuple[str, int]]:
