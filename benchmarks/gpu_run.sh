@@ -79,8 +79,8 @@ for stage in "$@"; do
         [ -f $dir/SmolLM2-135M-Instruct.json ] && mkdir -p "$OUT/${dir##*/}" && cp $dir/*.json "$OUT/${dir##*/}/" \
           && tr '\r' '\n' < $dir/identify.log | grep -v "^identify: .*[0-9]%|" > "$OUT/${dir##*/}/identify.log"
       done ;;
-    eval)  # needle eval through vLLM on SmolLM2 (issue 20): the default 400 prompts (1k-6k tokens) x 7 methods, one engine
-      # per method and per context for streaming50 (11 engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS:
+    eval)  # needle eval through vLLM on SmolLM2 (issues 20, 31): 400 varied-needle prompts (1k-6k tokens) and 400 classic
+      # passkey prompts (1.5k-7k) x 7 methods, one engine per method and per grid row for streaming50 (16 engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS:
       # more options (e.g. --methods ...). Results are written after each method, so a run stopped by the deadline
       # keeps the methods it finished; exit code 3 = full attention under 90% (the eval cannot see a loss).
       name=eval-${EVAL_NAME:-smollm2}

@@ -288,10 +288,11 @@ def _add_eval_command(commands: _Subparsers) -> None:
                              f"{' '.join(map(str, CPU_PASSKEY_REPEATS))})")
     parser.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS), metavar="D",
                         help="needle depths in [0, 1]; needles: among the places outside the streaming view of the "
-                             "question; passkey: the needle follows int(repeats x depth) paragraphs (default: {' '.join(f'{d:g}' for d in DEFAULT_DEPTHS)})")
+                             "question; passkey: each prompt draws its depth between the smallest and largest, and "
+                             "the needle follows int(repeats x depth) paragraphs (default: {' '.join(f'{d:g}' for d in DEFAULT_DEPTHS)})")
     parser.add_argument("--samples", type=int,
-                        help=f"prompts per (context, depth) cell (default {DEFAULT_SAMPLES}; {cpu_grid}: "
-                             f"{CPU_SAMPLES})")
+                        help=f"prompts per (context, depth) cell; passkey: depths x samples prompts per repeat count "
+                             f"(default {DEFAULT_SAMPLES}; {cpu_grid}: {CPU_SAMPLES})")
     parser.add_argument("--template", choices=TEMPLATES, default="plain",
                         help="plain: text only, the question and the answer's first words on one line; chat: a user "
                              "turn of the model's chat template, the answer's first words in the assistant's "
