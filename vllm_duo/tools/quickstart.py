@@ -16,7 +16,7 @@ from vllm_duo.tools import smollm2
 from vllm_duo.tools.processes import (free_port, kv_cache_env, logged_child, server_command, shell_line, start_logged,
                                       stop, wait_healthy)
 
-DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}
+DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5}  # the pattern's sink and recent
 MAX_MODEL_LEN = 8192
 QUESTION = "What is the capital of France? Answer in one sentence."
 LOG_DIR = smollm2.DEFAULT_DIR.parent / "logs"
