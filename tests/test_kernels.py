@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton duo kernels against kernels/reference.py: on the CPU interpreter with small shapes, on CUDA with full ones."""
 
-import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its CPU interpreter without a GPU)")
 
-from vllm_duo.gpu_attention import duo_attention_gpu, flash_route  # noqa: E402
+from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.cache_write import write_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
@@ -218,12 +217,12 @@ def decode_rows(case: Case) -> torch.Tensor:
 
 
 def run_duo(case: Case, cache: torch.Tensor, max_num_splits: int | None = None,
-            stream: torch.Tensor | None = None, **gpu_options) -> torch.Tensor:
+            stream: torch.Tensor | None = None) -> torch.Tensor:
     """The step as served: on a GPU with FlashAttention-3 on the retrieval heads where it is faster
-    (gpu_attention.py, `gpu_options` its keywords), on the CPU by the Triton kernels alone."""
+    (gpu_attention.py), on the CPU by the Triton kernels alone."""
     out = case.poisoned_output()
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
-    attend = functools.partial(duo_attention_gpu, **gpu_options) if cache.is_cuda else duo_attention_triton
+    attend = duo_attention_gpu if cache.is_cuda else duo_attention_triton
     attend(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
            max(lens), max(case.seq_lens), max_num_splits, stream_cache=stream, quant=case.quant)
     return out
@@ -346,25 +345,6 @@ def test_duo_attention_triton(name):
     out = run_duo(case, cache, max_num_splits=2, stream=stream)
     assert_close(out, ref, torch.float32)
     assert_caches_equal((cache, stream), ref_caches)
-
-
-# (query dtype, cache dtype, longest query, quantize_queries, FlashAttention-3 takes the retrieval heads)
-FLASH_ROUTES = [
-    (torch.bfloat16, torch.bfloat16, 7, True, True),  # prefill
-    (torch.bfloat16, torch.bfloat16, 1, True, False),  # bf16 decode: one Triton launch
-    (torch.bfloat16, torch.float8_e4m3fn, 7, True, True),  # fp8: prefill and decode, fp8 queries
-    (torch.bfloat16, torch.float8_e4m3fn, 1, True, True),
-    (torch.bfloat16, torch.float8_e4m3fn, 7, False, False),  # queries kept in bf16: Triton
-    (torch.bfloat16, torch.float8_e4m3fn, 1, False, False),
-    (torch.bfloat16, torch.bfloat16, 7, False, True),  # the setting concerns fp8 caches only
-    (torch.float16, torch.float8_e5m2, 7, True, False),  # FlashAttention-3 has no e5m2
-    (torch.float32, torch.float32, 7, True, False),
-]
-
-
-@pytest.mark.parametrize("query, cache, max_query_len, quantize_queries, by_flash", FLASH_ROUTES)
-def test_flash_route(query, cache, max_query_len, quantize_queries, by_flash):
-    assert flash_route(query, cache, max_query_len, quantize_queries) is by_flash
 
 
 def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
@@ -594,21 +574,6 @@ def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
     out = run_duo(case, cache, stream=stream)
     torch.cuda.synchronize()
     ref, ref_caches = with_flash_fp8_queries(case).reference()
-    assert_close(out, ref, torch.bfloat16)
-    assert_caches_equal((cache, stream), ref_caches)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["chunked_mixed", "decode_gqa3", "llama_decode"])
-def test_fp8_cache_with_queries_in_the_model_dtype(name):
-    """quantize_queries=False: over an e4m3 cache the Triton kernels take every head with bf16 queries, so the result
-    is the reference's without query rounding (the default rounds them for FlashAttention-3)."""
-    case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=torch.float8_e4m3fn,
-                     quant=cuda_scales())
-    cache, stream = case.fresh_caches()
-    out = run_duo(case, cache, stream=stream, quantize_queries=False)
-    torch.cuda.synchronize()
-    ref, ref_caches = case.reference()
     assert_close(out, ref, torch.bfloat16)
     assert_caches_equal((cache, stream), ref_caches)
 

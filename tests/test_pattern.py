@@ -277,19 +277,6 @@ def test_ideal_kv_below_at_and_above_sink_plus_recent(context_len, window):
         assert plan.capacity_ratio(context_len, dtype_bytes) == 8 * context_len / duo_slots
 
 
-@pytest.mark.parametrize("raw, quantize_queries", [({}, True), ({"quantize_queries": False}, False)])
-def test_queries_quantization_setting_reaches_the_plan(raw, quantize_queries):
-    """`quantize_queries` (fp8 caches: FlashAttention-3 with fp8 queries, or Triton with the model's) is a duo setting
-    the plan carries to every layer and names at startup when it is off; a non-boolean is a one-line error."""
-    pattern = HeadPattern.model_validate(small_pattern())
-    settings = DuoSettings.from_additional_config({"duo": raw})
-    plan = build_plan(settings, pattern, "test", ModelShape("Tiny", "LlamaForCausalLM", 2, 4, 8, 64))
-    assert plan.quantize_queries is quantize_queries
-    assert ("keep queries in the model's dtype" in plan.summary()) is not quantize_queries
-    with pytest.raises(PatternError, match=r"duo\.quantize_queries: Input should be a valid boolean"):
-        DuoSettings.from_additional_config({"duo": {"quantize_queries": "maybe"}})
-
-
 @pytest.mark.parametrize("path", REFERENCE_SHIPPED, ids=[path.stem for path in REFERENCE_SHIPPED])
 def test_reference_import_equals_shipped(path):
     shipped = HeadPattern.load(path)

@@ -234,7 +234,6 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.vllm_config = get_current_vllm_config()  # set while vLLM builds the model
         self.heads: LayerHeads | None = None  # bound at load (bind_duo_layers), with the streaming host
         self.stream_host = None
-        self.quantize_queries = True
 
     def bind(self, layer: LayerPlan, stream_host, reordered: bool, device: torch.device) -> None:
         """This layer's heads as the kernels read them, and the `Attention` layer whose cache holds its page groups
@@ -245,7 +244,6 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
                                       serving.plan.sink, serving.plan.recent,
                                       layer.placement.offset if layer.placement else 0, device=device)
         self.stream_host = stream_host
-        self.quantize_queries = serving.plan.quantize_queries
 
     def _stream_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The cache whose page groups hold this layer's streaming K/V (kv_cache.py pools them across layers)."""
@@ -295,7 +293,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             duo_attention_gpu(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
                               out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache,
                               quant=self._quant(layer, on_host=False), retrieval_table=m.retrieval_table,
-                              flash_schedules=m.flash_schedules, quantize_queries=self.quantize_queries)
+                              flash_schedules=m.flash_schedules)
         else:
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
                           self.scale, out, stream_cache=stream_cache, quant=self._quant(layer, on_host=True))

@@ -28,9 +28,6 @@ class DuoSettings(BaseModel):
     """What a user may put under `--additional-config '{"duo": {...}}'`.
 
     Every field is optional: the head pattern carries defaults for sparsity, sink and recent.
-    `quantize_queries`: on an fp8 e4m3 KV cache FlashAttention-3 takes the retrieval heads with their queries quantized
-    to fp8, as vLLM's dense FLASH_ATTN does; False keeps the queries in the model's dtype, and duo's Triton kernels take
-    those heads (slower; about 4 points more on the classic passkey test with SmolLM2).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -39,7 +36,6 @@ class DuoSettings(BaseModel):
     sparsity: float | None = Field(default=None, ge=0.0, le=1.0)
     sink: int | None = Field(default=None, ge=0)
     recent: int | None = Field(default=None, ge=0)
-    quantize_queries: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: dict | None) -> DuoSettings:
@@ -86,7 +82,6 @@ class DuoPlan:
     recent: int
     pattern_source: str
     shape: ModelShape
-    quantize_queries: bool = True  # DuoSettings.quantize_queries
 
     def rank_mask(self, rank: int = 0, tp_size: int = 1) -> np.ndarray:
         """The mask of the KV heads that tensor-parallel `rank` holds, in its local head order."""
@@ -155,8 +150,6 @@ class DuoPlan:
             f"duo: pattern {self.pattern_source}; retrieval ratio {self.retrieval_ratio:.3f} "
             f"(sparsity {self.sparsity:g}); sink {self.sink}, recent {self.recent}; "
             f"retrieval heads per layer {self.retrieval_counts}"
-            + ("" if self.quantize_queries else "; on an fp8 cache the retrieval heads keep queries in the model's "
-               "dtype (duo's Triton kernels, not FlashAttention-3)")
         )
 
     def memory_summary(self, max_model_len: int, dtype_bytes: int, block_size: int, tp_size: int = 1) -> str:
@@ -213,7 +206,6 @@ def build_plan(settings: DuoSettings, pattern: HeadPattern, source: str, shape: 
         recent=recent,
         pattern_source=source,
         shape=shape,
-        quantize_queries=settings.quantize_queries,
     )
 
 

@@ -24,7 +24,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       block_table: torch.Tensor, scale: float, output: torch.Tensor, max_query_len: int,
                       max_seq_len: int, max_num_splits: int | None = None, stream_cache: torch.Tensor | None = None,
                       quant: KVQuant | None = None, retrieval_table: torch.Tensor | None = None,
-                      flash_schedules: dict[int, torch.Tensor] | None = None, quantize_queries: bool = True) -> None:
+                      flash_schedules: dict[int, torch.Tensor] | None = None) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -35,15 +35,12 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             the backend makes it once per step for all layers, in a buffer CUDA graphs can replay).
         flash_schedules: the step's FlashAttention-3 tile schedules by retrieval-head count, shared by its layers
             (`retrieval_flash_attention`); multi-token batches only, which run outside CUDA graphs.
-        quantize_queries: False keeps the retrieval heads on the Triton kernels over an e4m3 cache (flash_route).
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
                                                      quant)
-    flash = None
-    if cache.is_cuda and flash_route(query.dtype, cache.dtype, max_query_len, quantize_queries):
-        flash = vllm_seam.flash_attn_varlen()
-    by_flash = flash is not None
+    flash = vllm_seam.flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
+    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn)
     if by_flash and heads.num_retrieval:
         if retrieval_table is None:
             retrieval_table = block_table[:, ::heads.stride].contiguous()
@@ -59,16 +56,6 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
-
-
-def flash_route(query_dtype: torch.dtype, cache_dtype: torch.dtype, max_query_len: int,
-                quantize_queries: bool = True) -> bool:
-    """Whether FlashAttention-3 takes the retrieval heads of a step (where vLLM has it): prefill over 16-bit pages,
-    prefill and decode over e4m3 pages unless the queries are to stay in the model's dtype (FlashAttention-3's fp8
-    kernel takes fp8 queries only); bf16 decode stays whole on Triton (one launch, as fast)."""
-    if (query_dtype, cache_dtype) not in FLASH_DTYPES:
-        return False
-    return quantize_queries if cache_dtype == torch.float8_e4m3fn else max_query_len > 1
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32

@@ -51,13 +51,11 @@ CPU_PASSKEY_REPEATS = (20, 40)
 CPU_PROMPT_S = {"dense": (1.25e-3, 2.5e-7), "duo": (1.6e-3, 1.4e-6)}
 CPU_ENGINE_START_S = 10.0
 ENGINE_LOG = "engines.log"  # vLLM's output, in the results folder
-_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc|-fp8q)?(?:-r(\d{1,6}))?$")
+_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc)?(?:-r(\d{1,6}))?$")
 # What a method's KV cache suffix asks of vLLM: e4m3 with scales 1.0 (a checkpoint without scales), or with scales
-# vLLM computes from the first batch (--calculate-kv-scales; vLLM 0.26-0.27); -fp8q is -fp8 with duo's retrieval
-# queries kept in the model's dtype (duo setting quantize_queries false), compared with full-fp8.
+# vLLM computes from the first batch (--calculate-kv-scales; vLLM 0.26-0.27).
 KV_CACHE_ARGS = {"": {}, "-fp8": {"kv_cache_dtype": "fp8"},
-                 "-fp8calc": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
-                 "-fp8q": {"kv_cache_dtype": "fp8"}}
+                 "-fp8calc": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
 
 
 @dataclass(frozen=True)
@@ -68,9 +66,8 @@ class Method:
     layers all streaming. `randomXX`: uniform random gates (fixed seed) at the same sparsity.
     `streamingXX`: every head streaming, with `recent` chosen per context so that the KV memory per request matches
     `duoXX` (see streaming_recent).
-    Suffixes: `-fp8` an fp8 KV cache (scales 1.0), `-fp8calc` one with vLLM's calculated scales, `-fp8q` (duo only)
-    `-fp8` with the retrieval heads' queries in the model's dtype (KV_CACHE_ARGS); `-rN` duo's recent window N
-    instead of --recent. Each method is compared with its `reference`: full attention
+    Suffixes: `-fp8` an fp8 KV cache (scales 1.0), `-fp8calc` one with vLLM's calculated scales (KV_CACHE_ARGS);
+    `-rN` duo's recent window N instead of --recent. Each method is compared with its `reference`: full attention
     with the same KV cache when the eval runs it (full-fp8 for duo50-fp8; full for full-fp8), else `full`.
     """
 
@@ -83,18 +80,16 @@ class Method:
     @classmethod
     def parse(cls, name: str) -> Method:
         match = _METHOD.match(name)
-        if (not match or (match[1] == "full") != (match[2] is None) or int(match[2] or 0) > 100
-                or (match[1] == "full" and match[3] == "-fp8q")):
+        if not match or (match[1] == "full") != (match[2] is None) or int(match[2] or 0) > 100:
             raise PatternError(f"method {name!r} is not full, duoXX, zigzagXX, randomXX or streamingXX (XX = sparsity "
-                               "in %, e.g. duo50, streaming50), optionally with -fp8 or -fp8calc (fp8 KV cache; -fp8q: "
-                               "duo's queries unquantized) and -rN (recent window), e.g. duo50-fp8, full-fp8, "
-                               "duo50-r512")
+                               "in %, e.g. duo50, streaming50), optionally with -fp8 or -fp8calc (fp8 KV cache) and "
+                               "-rN (recent window), e.g. duo50-fp8, full-fp8, duo50-r512")
         return cls(name, match[1], int(match[2] or 0) / 100, match[3] or "",
                    int(match[4]) if match[4] else None)
 
     def reference(self, names: list[str]) -> str | None:
         """The full-attention method among `names` this one is compared with."""
-        same_cache = "full" + ("-fp8" if self.kv_cache == "-fp8q" else self.kv_cache)
+        same_cache = "full" + self.kv_cache
         if self.kind == "full":
             return "full" if self.name != "full" and "full" in names else None
         return same_cache if same_cache in names else "full" if "full" in names else None
@@ -263,8 +258,7 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
     `pattern_files` holds the random pattern ("random") and each zigzagXX method's layer-exclusive pattern.
     """
     recent = method.recent or settings.recent
-    duo = {"sink": settings.sink, "recent": recent, "sparsity": method.sparsity,
-           **({"quantize_queries": False} if method.kv_cache == "-fp8q" else {})}
+    duo = {"sink": settings.sink, "recent": recent, "sparsity": method.sparsity}
     if settings.pattern:
         duo["pattern"] = settings.pattern
     if method.kind == "full":
@@ -272,7 +266,7 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
     if method.kind == "random":
         return [(dict(duo, pattern=pattern_files["random"]), cases)]
     if method.kind == "zigzag":  # its stored layer-exclusive mask, not the gates at a sparsity
-        return [({k: v for k, v in duo.items() if k != "sparsity"} | {"pattern": pattern_files[method.name]}, cases)]
+        return [({"sink": settings.sink, "recent": recent, "pattern": pattern_files[method.name]}, cases)]
     if method.kind == "duo":
         return [(duo, cases)]
     runs = []
