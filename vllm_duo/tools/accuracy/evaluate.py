@@ -108,7 +108,7 @@ class Case:
     context_len: int
     depth: float
     sample: int
-    needle: str  # names in needles.NEEDLES and needles.HAYSTACKS ("classic" for the passkey family)
+    needle: str  # names in needles.NEEDLES and needles.HAYSTACKS (the passkey family: "passkey", "classic")
     haystack: str
     prompt: list[int]
     key: str
