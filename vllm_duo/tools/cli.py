@@ -244,9 +244,8 @@ def _identify(args: argparse.Namespace) -> str:
         steps=args.steps, context_len=context_len,
         min_context_len=args.min_context_len or identify.default_min_context_len(context_len, args.device),
         batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=args.sink, recent=args.recent,
-        passkeys=args.passkeys, repeated=args.repeated, seed=args.seed, dtype=args.dtype, grad_checkpoint=args.grad_checkpoint,
-        layer_gates=args.layer_gates,
-        device=args.device)
+        passkeys=args.passkeys, repeated=args.repeated, seed=args.seed, dtype=args.dtype,
+        grad_checkpoint=args.grad_checkpoint, layer_gates=args.layer_gates, device=args.device)
     return identify.identify(
         args.model, args.output, settings, processes=args.processes, checkpoint=args.checkpoint,
         time_limit=args.time_limit, name=args.name, aliases=args.aliases,
@@ -265,8 +264,8 @@ def _add_eval_command(commands: _Subparsers) -> None:
         description="Greedy recall of a 5-digit key through in-process vLLM engines, for each method on the same "
                     "prompts, in two families: needles (several needle phrasings and haystack styles over a grid of "
                     "context lengths x needle depths) and passkey (the classic passkey test: one key in a repeated "
-                    "paragraph, over repeat counts x depths); writes results.json, results.md (accuracy, paired 95% intervals against full attention "
-                    "overall and per length) and accuracy heatmaps. Exits with code 3 when full attention answers "
+                    "paragraph, over repeat counts x depths); writes results.json, results.md (accuracy, paired 95% "
+                    "intervals against full attention overall and per length) and accuracy heatmaps. Exits with code 3 when full attention answers "
                     "under 90% of the prompts: such an eval cannot see a loss. Methods: full (vLLM's dense backend), "
                     "duoXX (the pattern at sparsity XX%), zigzagXX (its layer-exclusive form), randomXX (random "
                     "gates, same sparsity), streamingXX (all heads streaming at the KV budget of duoXX).")
@@ -289,7 +288,8 @@ def _add_eval_command(commands: _Subparsers) -> None:
     parser.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS), metavar="D",
                         help="needle depths in [0, 1]; needles: among the places outside the streaming view of the "
                              "question; passkey: each prompt draws its depth between the smallest and largest, and "
-                             "the needle follows int(repeats x depth) paragraphs (default: {' '.join(f'{d:g}' for d in DEFAULT_DEPTHS)})")
+                             "the needle follows int(repeats x depth) paragraphs (default: "
+                             f"{' '.join(f'{d:g}' for d in DEFAULT_DEPTHS)})")
     parser.add_argument("--samples", type=int,
                         help=f"prompts per (context, depth) cell; passkey: depths x samples prompts per repeat count "
                              f"(default {DEFAULT_SAMPLES}; {cpu_grid}: {CPU_SAMPLES})")

@@ -94,8 +94,8 @@ def _row_label(family: str, row: str, tokens: int) -> str:
 
 def report(results: dict) -> str:
     """results.md: per family, full attention's accuracy (a warning under 90%), the summary table (accuracy per grid
-    row, overall, points vs its reference with their paired 95% interval, KV vs dense), the paired intervals per row, accuracy
-    per needle phrasing and haystack style (needles), and grids; then how each engine ran."""
+    row, overall, points vs its reference with their paired 95% interval, KV vs dense), the paired intervals per row,
+    accuracy per needle phrasing and haystack style (needles), and grids; then how each engine ran."""
     settings, records = results["settings"], results["records"]
     depths = settings["depths"]
     fulls = [m for m in results["methods"] if m["kind"] == "full"]
@@ -122,8 +122,8 @@ def report(results: dict) -> str:
                          "...\"), after int(repeats x depth) of its repeats; correct = the key appears in the answer.")
         warning = reference_warning(results, family)
         lines += ["", f"**{warning}**" if warning else
-                  "Full attention answers " + ", ".join(f"{100 * m['families'][family]['accuracy']:.1f}% ({m['method']})"
-                                                         for m in fulls) + " of "
+                  "Full attention answers "
+                  + ", ".join(f"{100 * m['families'][family]['accuracy']:.1f}% ({m['method']})" for m in fulls) + " of "
                   f"{len(mine) // max(1, len(results['methods']))} prompts (at least {100 * MIN_FULL_ACCURACY:.0f}% "
                   "are needed for the eval to see a loss).", "",
                   "| method | " + " | ".join(labels) + " | all | reference | vs reference (points) | lost / gained "
@@ -235,8 +235,8 @@ def summary_table(out: str, results: dict) -> str:
     for family in families(results):
         first = results["methods"][0]["families"][family]
         lines.append(f"  {FAMILY_TITLES[family].lower()}:")
-        lines.append(f"  {'method':<12} {'all':>6}  " + "".join(f"{f'{t} tok':>10}" for t in first["row_tokens"].values())
-                     + "  vs reference (points)")
+        tokens = "".join(f"{f'{t} tok':>10}" for t in first["row_tokens"].values())
+        lines.append(f"  {'method':<12} {'all':>6}  {tokens}  vs reference (points)")
         for m in results["methods"]:
             own, ref = m["families"][family], reference_of(results, m)
             delta = (f"{100 * (own['accuracy'] - ref['families'][family]['accuracy']):+.1f} vs {ref['method']}"

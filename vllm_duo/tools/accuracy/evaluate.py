@@ -530,8 +530,8 @@ def command(args) -> str:
     contexts = args.contexts or (CPU_CONTEXTS if small else DEFAULT_CONTEXTS)
     repeats = args.passkey_repeats or (CPU_PASSKEY_REPEATS if small else DEFAULT_PASSKEY_REPEATS)
     cpu_preset = small and (args.contexts is None or args.passkey_repeats is None)
-    samples = args.samples if args.samples is not None else (CPU_SAMPLES if small and args.contexts is None and args.passkey_repeats is None
-                               else DEFAULT_SAMPLES)
+    no_grid = args.contexts is None and args.passkey_repeats is None
+    samples = args.samples if args.samples is not None else CPU_SAMPLES if small and no_grid else DEFAULT_SAMPLES
     settings = EvalSettings(
         model=args.model, out=args.out or default_out(args.model), pattern=args.pattern,
         methods=tuple(args.methods), families=tuple(args.families), contexts=tuple(contexts),
