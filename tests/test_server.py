@@ -262,7 +262,7 @@ def test_startup_log_states_duo_plan_and_memory(either_server):
     log = server.log.read_text()
     assert "duo: pattern bundled pattern SmolLM2-135M-Instruct; retrieval ratio 0.500" in log
     assert (STARTUP_MEMORY_LINE[server.kv_cache_dtype] + "expected capacity at max_model_len 2048: 1.73x dense "
-            "ideally, 1.72x in duo's 16-token pages") in log
+            "ideally, 1.73x in duo's 16-token pages") in log
     assert "Overriding num_gpu_blocks=" in log and f"num_gpu_blocks_override={NUM_BLOCKS}" in log
 
 
