@@ -265,10 +265,12 @@ def _add_eval_command(commands: _Subparsers) -> None:
                     "prompts, in two families: needles (several needle phrasings and haystack styles over a grid of "
                     "context lengths x needle depths) and passkey (the classic passkey test: one key in a repeated "
                     "paragraph, over repeat counts x depths); writes results.json, results.md (accuracy, paired 95% "
-                    "intervals against full attention overall and per length) and accuracy heatmaps. Exits with code 3 when full attention answers "
-                    "under 90% of the prompts: such an eval cannot see a loss. Methods: full (vLLM's dense backend), "
-                    "duoXX (the pattern at sparsity XX%), zigzagXX (its layer-exclusive form), randomXX (random "
-                    "gates, same sparsity), streamingXX (all heads streaming at the KV budget of duoXX).")
+                    "intervals against full attention overall and per length) and accuracy heatmaps. Exits with code "
+                    "3 when a full-attention method answers under 90% of a family's prompts: such an eval cannot see "
+                    "a loss there. Methods: full (vLLM's dense backend), duoXX (the pattern at sparsity XX%), zigzagXX "
+                    "(its layer-exclusive form), randomXX (random gates, same sparsity), streamingXX (all heads "
+                    "streaming at the KV budget of duoXX); -fp8 / -fp8calc: an fp8 KV cache with scales 1.0 / "
+                    "calculated by vLLM (compared with full-fp8 when it runs), -rN: duo's recent window N.")
     parser.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder (default: the bundled "
                                                              "SmolLM2-135M-Instruct)")
     parser.add_argument("--pattern", help="duo head pattern: a file, bundled name or reference folder (default: "
@@ -395,7 +397,7 @@ _COMMANDS: tuple[Callable[[_Subparsers], None], ...] = (_add_pattern_commands, _
 
 
 EXIT_CODES = ("exit codes: 0 done; 1 a run failed (the last line says so); 2 a user error (one line); 3 an eval whose "
-              "full attention answered under 90% of its prompts")
+              "full attention answered under 90% of a family's prompts")
 
 
 def build_parser() -> argparse.ArgumentParser:
