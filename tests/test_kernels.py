@@ -382,6 +382,47 @@ def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
     assert "scheduler_metadata" not in calls[-1] and len(made) == 2
 
 
+def test_pages_past_2_31_elements_are_read_and_written_where_they_are():
+    """Cache offsets are 64-bit: a page whose first element lies past 2^31 (a KV cache of over 2^31 elements, as one
+    request of ~1M tokens at Llama-3.1-8B's shape has) is written and read there, not 2^32 elements lower. The case's
+    pages are moved above that line in a cache allocated lazily, so only the touched pages take memory (~4 GiB of
+    address space, a few KiB resident)."""
+    case = make_case(PRESETS["pooled_streaming"], dtype=torch.float16)
+    ref, (ref_cache, ref_stream) = case.reference()
+    shift = 2 ** 31 // case.cache[0].numel()  # the first block id at element 2^31
+
+    def lifted(cache: torch.Tensor) -> torch.Tensor:
+        big = torch.empty((shift + cache.shape[0], *cache.shape[1:]), dtype=cache.dtype)
+        big[0], big[shift + 1:] = cache[0], cache[1:]  # the poison block stays block 0
+        return big
+
+    cache, stream = lifted(case.cache), lifted(case.stream)
+    table = torch.where(case.block_table > 0, case.block_table + shift, case.block_table)
+    out = case.poisoned_output()
+    lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
+    duo_attention_triton(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, table, case.scale,
+                         out, max(lens), max(case.seq_lens), 2, stream_cache=stream)
+    assert_close(out, ref, torch.float16)
+    assert_caches_equal((cache[shift + 1:], stream[shift + 1:]), (ref_cache[1:], ref_stream[1:]))
+
+
+def test_launched_kernels_declare_their_memory_strides_64_bit():
+    """What the test above cannot see: compiled Triton specializes an integer argument under 2^31 as int32 unless it
+    is declared otherwise, and an offset built from an int32 stride wraps past 2^31 elements; the interpreter computes
+    in int64 either way (a kernel with its stride annotations removed passes the test above). So every memory stride
+    a launched kernel takes is declared tl.int64."""
+    import inspect
+
+    from vllm_duo.kernels import cache_write, decode, prefill, queries
+
+    kernels = [decode._decode_kernel, decode._merge_kernel, prefill._prefill_kernel, cache_write._write_kv_kernel,
+               queries._quantize_kernel]
+    for kernel in kernels:
+        parameters = inspect.signature(kernel.fn).parameters.values()
+        strides = {p.name: p.annotation for p in parameters if p.name.startswith("stride_")}
+        assert strides and set(strides.values()) == {"tl.int64"}, (kernel.fn.__name__, strides)
+
+
 def test_layer_without_pages_reads_only_its_stream_cache():
     """A layer with no retrieval heads gets a stub cache (kv_cache.py): only the pooled streaming pages are touched."""
     case = make_case(PRESETS["pooled_streaming_layer"])
