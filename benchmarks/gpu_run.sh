@@ -79,10 +79,11 @@ for stage in "$@"; do
         [ -f $dir/SmolLM2-135M-Instruct.json ] && mkdir -p "$OUT/${dir##*/}" && cp $dir/*.json "$OUT/${dir##*/}/" \
           && tr '\r' '\n' < $dir/identify.log | grep -v "^identify: .*[0-9]%|" > "$OUT/${dir##*/}/identify.log"
       done ;;
-    eval)  # needle eval through vLLM on SmolLM2 (issues 20, 31): 400 varied-needle prompts (1k-6k tokens) and 400 classic
-      # passkey prompts (1.5k-7k) x 7 methods, one engine per method and per grid row for streaming50 (16 engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS:
-      # more options (e.g. --methods ...). Results are written after each method, so a run stopped by the deadline
-      # keeps the methods it finished; exit code 3 = full attention under 90% (the eval cannot see a loss).
+    eval)  # needle eval through vLLM on SmolLM2 (issues 20, 31): 400 varied-needle prompts (1k-6k tokens) and 400
+      # classic passkey prompts (1.5k-7k) x 7 methods, one engine per method and per grid row for streaming50 (16
+      # engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS: more options (e.g. --methods ...). Results are
+      # written after each method, so a run stopped by the deadline keeps the methods it finished; exit code 3 = a
+      # full-attention method under 90% of a family's prompts (the eval cannot see a loss there).
       name=eval-${EVAL_NAME:-smollm2}
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli eval --model /tmp/smol --no-progress \
         --pattern ${EVAL_PATTERN:-SmolLM2-135M-Instruct} --out $WORK/$name ${EVAL_ARGS:-} 2>&1 \

@@ -71,7 +71,8 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
         f"(vllm_duo/tools/accuracy/passkey.py)"
         + (f", in {100 * settings.repeated:g}% of prompts one paragraph of {REPEATED_PERIOD[0]}-{REPEATED_PERIOD[1]} "
            "such sentences repeated" if settings.repeated else "")
-        + f", prompt length {length} tokens, seed {settings.seed}; {result.dtype} on {result.device}" + (", gradient checkpointing" if settings.grad_checkpoint else ""))
+        + f", prompt length {length} tokens, seed {settings.seed}; {result.dtype} on {result.device}"
+        + (", gradient checkpointing" if settings.grad_checkpoint else ""))
     final = result.history[-1]
     last = result.history[-max(1, len(result.history) // 10):]
     notes = (f"final loss {final.loss:.6f} (distill {final.distill:.6f}, reg {final.reg:.6f}); mean loss of the last "

@@ -4,11 +4,12 @@ mixes full and streaming attention in the frozen Hugging Face model, trained so 
 hidden states on multi-passkey prompts.
 
 Haystack: the varied filler sentences of passkey.py (subject, verb, object and ending drawn from fixed lists,
-12^4 sentences, no digits), generated offline from a seed; with `repeated`, that share of prompts repeats one short
-paragraph of them instead, the kind of haystack the classic passkey test uses (issue 31). The reference trains on
-BookSum chapters, which are not available offline; repeated text ("The grass is green. ...") gives every token an exact copy one period back that
-copy heads latch onto, and it is far from what a model reads. Varied digit-free sentences avoid both, and the
-passkeys are the only numbers in the prompt, so the question tokens can only be answered from the needles.
+12^4 sentences, no digits), generated offline from a seed. The reference trains on BookSum chapters, which are not
+available offline; digit-free sentences keep the passkeys the only numbers in the prompt, so the question tokens can
+only be answered from the needles. With `repeated`, that share of prompts repeats one short paragraph of such
+sentences instead: the classic passkey test's kind of haystack ("The grass is green. ..." repeated), where every
+token has an exact copy one period back for copy heads to latch onto, and where gates trained on varied text alone
+stream heads the model needs.
 """
 from __future__ import annotations
 
