@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from vllm_duo.pattern import SCHEMA_VERSION, HeadPattern, PatternError, read_hf_config, resolve_pattern
-from vllm_duo.tools.accuracy.eval_report import WeakReference, reference_warning, summary_table, upgraded, write_report
+from vllm_duo.tools.accuracy.eval_report import (WeakReference, reference_warning, summary_table, upgraded,
+                                                  write_report)
 from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, TEMPLATES, needle_prompt
 from vllm_duo.tools.accuracy.passkey import classic_passkey_text
 from vllm_duo.tools.bench.machine import machine_info
@@ -230,6 +231,10 @@ class EvalSettings:
     kv_cache_space: int = CPU_KV_CACHE_GIB
     engine_args: dict | None = None
 
+    def rows(self, family: str) -> tuple[int, ...]:
+        """A family's grid rows: context lengths in tokens (needles), repeats of the paragraph (passkey)."""
+        return self.contexts if family == "needles" else self.passkey_repeats
+
     def command(self) -> str:
         """The `vllm-duo eval` command line that repeats this run."""
         parts = ["vllm-duo", "eval", "--model", self.model, "--out", self.out]
@@ -320,8 +325,7 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
     methods = [Method.parse(name) for name in settings.methods]
     if not settings.families or any(family not in FAMILIES for family in settings.families):
         raise PatternError(f"families {settings.families}: pick from {', '.join(FAMILIES)}")
-    rows = {"needles": settings.contexts, "passkey": settings.passkey_repeats}
-    if (any(not rows[family] for family in settings.families) or not settings.depths or settings.samples < 1
+    if (any(not settings.rows(family) for family in settings.families) or not settings.depths or settings.samples < 1
             or settings.max_tokens < 1 or min(settings.passkey_repeats, default=1) < 1):
         raise PatternError("need at least one context (needles) or repeat count (passkey, each >= 1) per family, one "
                            "depth, one sample and one generated token")
@@ -411,7 +415,7 @@ def _summary(method: Method, records: list[dict], settings: EvalSettings, num_he
     families = {}
     for family in settings.families:
         mine = [r for r in records if r["method"] == method.name and r["family"] == family]
-        rows = settings.contexts if family == "needles" else settings.passkey_repeats
+        rows = settings.rows(family)
         columns = [depth_column(r["depth"], settings.depths) for r in mine]
         grid = [[_mean([r["correct"] for r, c in zip(mine, columns) if r["row"] == row and c == d])
                  for d in settings.depths] for row in rows]
@@ -443,8 +447,7 @@ def _mean(values: list[bool]) -> float | None:
 
 def _rows(settings: EvalSettings) -> list[tuple[str, int]]:
     """(family, row) of every grid row the settings ask for."""
-    return [(family, row) for family in settings.families
-            for row in (settings.contexts if family == "needles" else settings.passkey_repeats)]
+    return [(family, row) for family in settings.families for row in settings.rows(family)]
 
 
 def num_engines(settings: EvalSettings) -> int:
@@ -478,8 +481,8 @@ def plan_lines(settings: EvalSettings, cpu_preset: bool) -> list[str]:
     """What the eval is about to run: prompts, engines and, on a CPU, a rough duration and its KV cache; with the CPU
     preset, how to ask for the full grid."""
     per_method = len(_rows(settings)) * len(settings.depths) * settings.samples
-    rows = " + ".join(f"{len(settings.contexts)} contexts" if family == "needles"
-                      else f"{len(settings.passkey_repeats)} passkey lengths" for family in settings.families)
+    rows = " + ".join(f"{len(settings.rows(family))} {'contexts' if family == 'needles' else 'passkey lengths'}"
+                      for family in settings.families)
     line = (f"{len(settings.methods)} methods x {per_method} prompts (({rows}) x {len(settings.depths)} depths x "
             f"{settings.samples} sample{'s' * (settings.samples != 1)}) = {len(settings.methods) * per_method} "
             f"prompts on {num_engines(settings)} engines")
@@ -490,8 +493,7 @@ def plan_lines(settings: EvalSettings, cpu_preset: bool) -> list[str]:
         full = replace(settings, contexts=DEFAULT_CONTEXTS, passkey_repeats=DEFAULT_PASSKEY_REPEATS,
                        samples=DEFAULT_SAMPLES)
         lines.append(f"the small CPU grid where neither the family's grid nor --samples was given; the full grid: "
-                     f"--contexts "
-                     f"{' '.join(map(str, DEFAULT_CONTEXTS))} --passkey-repeats "
+                     f"--contexts {' '.join(map(str, DEFAULT_CONTEXTS))} --passkey-repeats "
                      f"{' '.join(map(str, DEFAULT_PASSKEY_REPEATS))} --samples {DEFAULT_SAMPLES} (about "
                      f"{_duration(cpu_estimate_s(full))})")
     env = kv_cache_env(settings.kv_cache_space)
