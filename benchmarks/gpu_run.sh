@@ -105,6 +105,10 @@ for stage in "$@"; do
     fp8_decode) bench fp8 --workloads decode_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_serve) bench fp8 --workloads serve_16k --set serve_16k.request_rates=${RATE:-2} --kv-cache-dtype fp8 \
         --only ${ONLY:?set ONLY=dense or duo} ;;
+    # issue 32: decode at batch 4 over 64k and 128k contexts, one server per backend (KV=fp8|auto, ONLY=dense|duo)
+    tpot_long) bench tpot-long-${KV:-fp8} --workloads tpot_sweep --kv-cache-dtype ${KV:-fp8} \
+        --set tpot_sweep.input_lens=${LENS:-65536,131072} tpot_sweep.max_model_len=${MAXLEN:-132000} \
+        ${ONLY:+--only $ONLY} ;;
     # issue 22: short requests, 32 at once at 1k and 4k tokens (tpot_sweep has them 4 at once), one backend per call
     short_itl) bench short --workloads short_itl --only ${ONLY:?set ONLY} ;;
     tpot_short) bench tpot-short --workloads tpot_sweep --set tpot_sweep.input_lens=1024,4096 ;;  # 4 at once, both
