@@ -109,6 +109,24 @@ for stage in "$@"; do
     tpot_long) bench tpot-long-${KV:-fp8} --workloads tpot_sweep --kv-cache-dtype ${KV:-fp8} \
         --set tpot_sweep.input_lens=${LENS:-65536,131072} tpot_sweep.max_model_len=${MAXLEN:-132000} \
         ${ONLY:+--only $ONLY} ;;
+    # issue 32: one request longer than dense fp8's whole cache, served end to end by duo at fp8 on the Llama-3-8B
+    # shape with a 4M-token position range (the Gradient-4194k config: dummy weights, so its rope_theta is only
+    # copied); LONG_LEN tokens in, 128 out, TTFT and TPOT from `bench serve`. long_bg runs it in a session of its
+    # own (it outlives the call, ~10 min); long_status reports it.
+    long_request) mkdir -p /tmp/gradient4194k && cp /tmp/llama8b/* /tmp/gradient4194k/ && python3 -c "
+import json; p = '/tmp/gradient4194k/config.json'; c = json.load(open(p))
+c.update(max_position_embeddings=4194304, rope_theta=2804339835.0); c.pop('rope_scaling', None)
+json.dump(c, open(p, 'w'), indent=1)"
+      DEADLINE=${LONG_DEADLINE:-1700} bench long-request --model /tmp/gradient4194k --pattern Llama-3-8B-Instruct-Gradient-4194k \
+        --workloads tpot_sweep --kv-cache-dtype fp8 --only ${ONLY:-duo} --timeout ${LONG_DEADLINE:-1700} \
+        --engine-args "--max-num-seqs 8" --set tpot_sweep.num_prompts=1 tpot_sweep.max_concurrency=1 \
+        tpot_sweep.input_lens=${LONG_LEN:-1000000} tpot_sweep.output_len=128 \
+        tpot_sweep.max_model_len=$((${LONG_LEN:-1000000} + 1024)) ;;
+    long_bg) setsid nohup bash benchmarks/gpu_run.sh long_request > $WORK/long_request.out 2>&1 < /dev/null &
+      echo "started long_request (pid $!)" ;;
+    long_status) tr '\r' '\n' < $WORK/long_request.out | grep -v '^ *$' | tail -5
+      tail -n 3 $WORK/long-request/logs/*server*.log 2>/dev/null | cut -c1-250
+      [ -d $WORK/long-request ] && tar czf "$OUT/long-request.tgz" -C $WORK long-request ;;
     # issue 22: short requests, 32 at once at 1k and 4k tokens (tpot_sweep has them 4 at once), one backend per call
     short_itl) bench short --workloads short_itl --only ${ONLY:?set ONLY} ;;
     tpot_short) bench tpot-short --workloads tpot_sweep --set tpot_sweep.input_lens=1024,4096 ;;  # 4 at once, both
