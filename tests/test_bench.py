@@ -169,7 +169,8 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     assert sum(duo_config in c for c in commands) == 1 + 1 + 4 + 2 + 1 + 6
     # the ceiling asks beyond the model's context (Llama 3.1: 131,072), which vLLM allows only when told
     long_len = [c for c in commands if "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 " in c]
-    assert len(long_len) == 3 and all("ceiling__" in c and "--max-model-len 4194304" in c for c in long_len)
+    assert len(long_len) == 3 and all("ceiling__" in c and "--max-model-len 4194304" in c
+                                      and "--enforce-eager --max-num-seqs 1" in c for c in long_len)
     full = [c for c in commands if "shared_docs_full__" in c]
     assert len(full) == 2 and all(
         "--dataset-name prefix_repetition --prefix-repetition-prefix-len 20000 --prefix-repetition-suffix-len 300 "
