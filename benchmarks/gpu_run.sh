@@ -101,6 +101,9 @@ for stage in "$@"; do
     fp8_e2e_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -k fp8 -s tests/test_gpu_e2e.py 2>&1 \
         | tee "$OUT/gpu_fp8_e2e_tests.log" | grep -v "^\(INFO\|WARNING\|(\)" | tail -25 ;;
     fp8_capacity) bench fp8 --workloads capacity --capacity-sparsity 0.5 --kv-cache-dtype auto fp8 ;;
+    # the single-request ceiling: one eager startup per backend and KV dtype (ONLY=dense|duo, one call each)
+    ceiling) bench ceiling --workloads ceiling --capacity-sparsity ${SPARSITY:-0.5 0.75} \
+        --kv-cache-dtype ${KV:-auto fp8} --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_latency_prefill) bench fp8 --workloads tpot_64k prefill_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY} ;;
     fp8_decode) bench fp8 --workloads decode_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_serve) bench fp8 --workloads serve_16k --set serve_16k.request_rates=${RATE:-2} --kv-cache-dtype fp8 \

@@ -127,24 +127,50 @@ def test_multi_turn_chat_hits_the_prefix_cache_on_cpu(smollm2_dir, tmp_path, sub
     assert "prefix cache hits" in report and "turn 3 TTFT ms" in report
 
 
+def test_tiny_ceiling_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    """The single-request ceiling on a 1 GiB CPU cache: 65,536 tokens fit neither backend, so each startup fails with
+    vLLM's estimate, which is the measurement (no failed run); duo 50% holds about twice dense's."""
+    out = tmp_path / "results"
+    code = cli.main(["bench", "--workloads", "tiny_ceiling", "--model", smollm2_dir, "--sparsity", "0.5",
+                     "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
+    assert code == 0
+    runs = {run["backend"]: run for run in json.loads((out / "results.json").read_text())["runs"]}
+    assert set(runs) == {"dense", "duo s=0.5"}
+    for run in runs.values():
+        assert run["status"] == "ok" and run["returncode"] != 0, run.get("log_tail")
+        assert not run["metrics"]["lower_bound"] and run["metrics"]["accepted_len"] < 65536
+        assert run["command"].startswith("VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 ")
+    dense_len, duo_len = (runs[b]["metrics"]["accepted_len"] for b in ("dense", "duo s=0.5"))
+    assert duo_len > 1.6 * dense_len  # 46,160 / 23,296 = 1.98x measured
+    report = (out / "results.md").read_text()
+    assert "| backend | longest request (tokens) | duo/dense |" in report
+    assert f"| duo s=0.5 | {duo_len:,} | {duo_len / dense_len:.2f}x |" in report
+    assert "## Failed runs" not in report
+
+
 def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
     assert cli.main(["bench", "--model", "/models/llama8b", "--tokenizer", "/models/smol", "--sparsity", "0.5",
                      "--capacity-sparsity", "0.25", "0.5", "--pattern", "Meta-Llama-3.1-8B-Instruct",
                      "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
     printed = capsys.readouterr().out
     commands = [line for line in printed.splitlines() if not line.startswith("#")]
-    # capacity 3 + (decode, prefill, short, shared_docs_full) 2 each + tpot 4 + ttft 2 + serve 2 x (server + 2 rates)
-    # + tpot_sweep 2 x (server + 5 prompt lengths) + short_itl 2 x (server + 2 prompt lengths x 3 runs)
-    # + shared_docs 2 x (server + 2 rates) + chat_turns and repeat_32k 2 x (server + 1 client) each
-    assert len(commands) == 3 + 8 + 4 + 2 + 6 + 12 + 14 + 6 + 4 + 4
+    # capacity and ceiling 3 each + (decode, prefill, short, shared_docs_full) 2 each + tpot 4 + ttft 2
+    # + serve 2 x (server + 2 rates) + tpot_sweep 2 x (server + 5 prompt lengths)
+    # + short_itl 2 x (server + 2 prompt lengths x 3 runs) + shared_docs 2 x (server + 2 rates)
+    # + chat_turns and repeat_32k 2 x (server + 1 client) each
+    assert len(commands) == 3 + 3 + 8 + 4 + 2 + 6 + 12 + 14 + 6 + 4 + 4
     assert not (tmp_path / "dry").exists()
-    assert sum("bench throughput" in c for c in commands) == 11
+    assert sum("bench throughput" in c for c in commands) == 14
     assert sum("bench latency" in c for c in commands) == 6
     assert sum("bench serve" in c for c in commands) == 4 + 10 + 12 + 4 + 2
     assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2 + 2 + 2 + 6
     duo_config = '{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
-    # capacity, throughput x4, tpot x2, ttft, the six servers
-    assert sum(duo_config in c for c in commands) == 1 + 4 + 2 + 1 + 6
+    # capacity, ceiling, throughput x4, tpot x2, ttft, the six servers
+    assert sum(duo_config in c for c in commands) == 1 + 1 + 4 + 2 + 1 + 6
+    # the ceiling asks beyond the model's context (Llama 3.1: 131,072), which vLLM allows only when told
+    long_len = [c for c in commands if "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 " in c]
+    assert len(long_len) == 3 and all("ceiling__" in c and "--max-model-len 4194304" in c
+                                      and "--enforce-eager --max-num-seqs 1" in c for c in long_len)
     full = [c for c in commands if "shared_docs_full__" in c]
     assert len(full) == 2 and all(
         "--dataset-name prefix_repetition --prefix-repetition-prefix-len 20000 --prefix-repetition-suffix-len 300 "
@@ -231,6 +257,37 @@ def test_startup_figures_from_a_log():
     loaded = logs.throughput_metrics(raw, log + "\n" + stats, workload)
     assert (loaded["peak_running"], loaded["peak_waiting"], loaded["peak_kv_usage_pct"]) == (28, 10, 98.1)
     assert loaded["prefix_cache_hit_rate"] == pytest.approx(0.867)
+
+
+def test_ceiling_from_a_log_and_its_table(tmp_path):
+    """A ceiling run is vLLM's estimate where the startup check failed, else at least the length asked for ("≥");
+    a startup that failed otherwise measured nothing. Ratios with a lower bound are bounds themselves."""
+    log = ("(EngineCore pid=1) ERROR [core.py:1349] ValueError: To serve at least one request with the model's max "
+           "seq len (4194304), (250.0 GiB KV cache is needed, which is larger than the available KV cache memory "
+           "(58.1 GiB). Based on the available memory, the estimated maximum model length is 951232. Try increasing")
+    assert logs.estimated_ceiling(log) == {"accepted_len": 951232, "lower_bound": False}
+    assert logs.estimated_ceiling("ValueError: No available memory for the cache blocks.") is None
+    ceiling = workloads.WORKLOADS["ceiling"]
+    assert logs.started_ceiling(ceiling) == {"accepted_len": 4194304, "lower_bound": True}
+    assert "max_model_len 4,194,304" in ceiling.describe() and "`bench throughput`" in ceiling.describe()
+
+    def accepted(n, lower_bound=False):
+        return {"metrics": {"accepted_len": n, "lower_bound": lower_bound}}
+
+    runs = [_run("ceiling", "dense", **accepted(475000)),
+            _run("ceiling", "dense fp8", kv_cache_dtype="fp8", **accepted(950000)),
+            _run("ceiling", "duo s=0.5 fp8", kv_cache_dtype="fp8", **accepted(1880000)),
+            _run("ceiling", "duo s=0.75 fp8", kv_cache_dtype="fp8", **accepted(4194304, lower_bound=True))]
+    results = {"device": "NVIDIA H100 80GB HBM3", "model_shape": LLAMA_8B, "runs": runs,
+               "workloads": {"ceiling": dict(vars(ceiling))}}
+    report = bench_report.markdown(results, tmp_path, plots=False)
+    assert "| dense fp8 | 950,000 | - | 2.00x |" in report
+    assert "| duo s=0.5 fp8 | 1,880,000 | 1.98x | 3.96x |" in report
+    assert "| duo s=0.75 fp8 | ≥ 4,194,304 | ≥ 4.42x | ≥ 8.83x |" in report
+    summary = bench_report.checked_summary(results, tmp_path)  # raises FailedRuns on a failed run
+    row = next(line for line in summary.splitlines() if "duo s=0.75 fp8" in line)
+    assert row.split() == ["ceiling", "duo", "s=0.75", "fp8", "accepts", "≥", "4,194,304", "tokens", "≥", "4.42x",
+                           "dense", "fp8"]
 
 
 @pytest.mark.parametrize("device", ["GPU", "CPU", "GPU + host"])

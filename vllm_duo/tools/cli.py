@@ -142,11 +142,11 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.5, 0.75], metavar="S",
                         help="duo sparsities to run (default 0.25 0.5 0.75)")
     parser.add_argument("--capacity-sparsity", type=float, nargs="+", metavar="S",
-                        help="sparsities of the capacity workload only (default: --sparsity); its runs only start "
-                             "vLLM, so sweep here")
+                        help="sparsities of the capacity and ceiling workloads only (default: --sparsity); their "
+                             "runs only start vLLM, so sweep here")
     parser.add_argument("--zigzag-sparsity", type=float, nargs="+", default=[], metavar="S",
                         help="also run duo with the pattern's layer-exclusive (ZigzagAttention) form at these "
-                             "sparsities, written to OUT/patterns/ (not in the capacity workload)")
+                             "sparsities, written to OUT/patterns/ (not in the capacity and ceiling workloads)")
     parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
     parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
     parser.add_argument("--workloads", nargs="+", default=["all"], metavar="NAME",

@@ -24,6 +24,8 @@ _ENGINE_STATS = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d).*?Avg prompt throughput:
                            r"throughput: ([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs.*?"
                            r"KV cache usage: ([\d.]+)%")
 _HIT_RATE = re.compile(r"Prefix cache hit rate: ([\d.]+)%")
+# vLLM's startup check when one request of max_model_len needs more KV than the cache has (kv_cache_utils.py).
+_ESTIMATED_LEN = re.compile(r"the estimated maximum model length is (\d+)\.")
 
 
 def read_log(path: Path) -> str:
@@ -106,6 +108,19 @@ def throughput_metrics(raw: dict, log: str, workload: Workload) -> dict:
     if rates := _HIT_RATE.findall(log):
         metrics["prefix_cache_hit_rate"] = float(rates[-1]) / 100
     return metrics
+
+
+def estimated_ceiling(log: str) -> dict | None:
+    """A ceiling run whose engine did not start: the longest max_model_len vLLM's check estimated would fit, if it
+    got that far (else the run failed for another reason)."""
+    if match := _ESTIMATED_LEN.search(log):
+        return {"accepted_len": int(match.group(1)), "lower_bound": False}
+    return None
+
+
+def started_ceiling(workload: Workload) -> dict:
+    """A ceiling run whose engine started: it accepts the length asked for, and maybe more."""
+    return {"accepted_len": workload.max_model_len, "lower_bound": True}
 
 
 def latency_metrics(raw: dict) -> dict:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from vllm_duo.tools.bench.logs import latency_metrics, read_json, throughput_metrics
+from vllm_duo.tools.bench.logs import (estimated_ceiling, latency_metrics, read_json, started_ceiling,
+                                       throughput_metrics)
 from vllm_duo.tools.bench.machine import now
 from vllm_duo.tools.bench.results import Results
-from vllm_duo.tools.bench.settings import Settings, engine_args, vllm_cli
+from vllm_duo.tools.bench.settings import Settings, engine_args, run_env, vllm_cli
 from vllm_duo.tools.bench.workloads import Variant, Workload
 from vllm_duo.tools.processes import run_logged, shell_line
 
@@ -26,7 +27,8 @@ def offline_command(settings: Settings, workload: Workload, variant: Variant, ou
     else:
         prompts = ["--dataset-name", "random", "--random-input-len", str(workload.input_len),
                    "--random-output-len", str(output_len)]
-    if workload.kind == "throughput":  # shared documents: tokenized before the clock (it, not the engine, set the pace)
+    if workload.kind in ("throughput", "ceiling"):
+        # shared documents: tokenized before the clock (it, not the engine, set the pace)
         return vllm_cli(pretokenized=documents) + ["bench", "throughput", *common, *prompts,
                                                    "--num-prompts", str(workload.num_prompts),
                                                    "--output-json", str(json_path)]
@@ -37,9 +39,10 @@ def offline_command(settings: Settings, workload: Workload, variant: Variant, ou
 
 
 def run_offline(results: Results, workload: Workload, variant: Variant, phase: str, progress) -> None:
-    """One throughput or latency run ("prefill": the latency run with one output token), recorded in `results`;
-    a dry run prints its command."""
+    """One throughput, latency or ceiling run ("prefill": the latency run with one output token), recorded in
+    `results`; a dry run prints its command."""
     settings = results.settings
+    env = run_env(settings, workload)
     out = settings.out
     stem = f"{workload.name}__{variant.slug}" + ("" if phase == "main" else f"__{phase}")
     json_path, log_path = out / "json" / f"{stem}.json", out / "logs" / f"{stem}.log"
@@ -47,16 +50,19 @@ def run_offline(results: Results, workload: Workload, variant: Variant, phase: s
     cmd = offline_command(settings, workload, variant, output_len, json_path.resolve())
     progress.set_postfix_str(f"{workload.name} {variant.label} {phase}")
     if settings.dry_run:
-        print(shell_line(cmd, settings.env))
+        print(shell_line(cmd, env))
         return
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.unlink(missing_ok=True)
-    record = results.new_record(workload, variant, phase, shell_line(cmd, settings.env),
+    record = results.new_record(workload, variant, phase, shell_line(cmd, env),
                                 log=str(log_path.relative_to(out)), started_at=now())
     start = time.monotonic()
-    code, timed_out = run_logged(cmd, log_path, settings.timeout, settings.env)
+    code, timed_out = run_logged(cmd, log_path, settings.timeout, env)
     record["wall_s"] = round(time.monotonic() - start, 1)
     record["finished_at"] = now()
-    metrics_of = ((lambda raw, log: throughput_metrics(raw, log, workload)) if workload.kind == "throughput"
-                  else (lambda raw, log: latency_metrics(raw)))
-    results.add(results.finish(record, log_path, code, timed_out, read_json(json_path), metrics_of), progress)
+    metrics_of = {"throughput": lambda raw, log: throughput_metrics(raw, log, workload),
+                  "latency": lambda raw, log: latency_metrics(raw),
+                  "ceiling": lambda raw, log: started_ceiling(workload)}[workload.kind]
+    failure_metrics = estimated_ceiling if workload.kind == "ceiling" else (lambda log: None)
+    results.add(results.finish(record, log_path, code, timed_out, read_json(json_path), metrics_of,
+                               failure_metrics), progress)

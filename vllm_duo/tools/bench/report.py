@@ -66,6 +66,8 @@ class Report:
         lines += [f"Runs from {started} to {finished}, vllm-duo commit {commits}.", ""]
         if name == "capacity":
             lines += tables.capacity_table(self.index, name)
+        elif kind == "ceiling":
+            lines += tables.ceiling_table(self.index, name)
         elif kind == "throughput":
             lines += tables.throughput_table(self.index, name)
         elif kind == "latency":
@@ -145,6 +147,11 @@ class Report:
                 run = self.index.find(name, backend, phase) or next((r for r in runs if r["backend"] == backend), None)
                 if run is None or not ok(run):
                     rows.append((name, backend, run.get("status") if run else "missing", ""))
+                    continue
+                if run["kind"] == "ceiling":
+                    ratio = tables.ceiling_ratio(run, dense_main) if not is_baseline(backend) else "-"
+                    rows.append((name, backend, f"accepts {tables.ceiling_text(run)} tokens",
+                                 "" if ratio == "-" else f"{ratio} {dense_main['backend']}"))
                     continue
                 if name == "capacity":
                     value, base, unit = run.get("max_concurrency"), (dense_main or {}).get("max_concurrency"), "x conc"

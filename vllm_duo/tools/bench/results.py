@@ -15,6 +15,7 @@ from vllm_duo.tools.bench.logs import log_tail, read_json, read_log, startup_fig
 from vllm_duo.tools.bench.machine import now
 from vllm_duo.tools.bench.roofline import shape_json
 from vllm_duo.tools.bench.settings import Settings
+from vllm_duo.tools.bench.tables import ceiling_text
 from vllm_duo.tools.bench.workloads import BenchError, Variant, Workload
 
 SCHEMA_VERSION = 1
@@ -47,8 +48,9 @@ class Results:
         return record
 
     def finish(self, record: dict, log_path: Path, code: int | None, timed_out: bool, raw: dict | None,
-               metrics_of) -> dict:
-        """Adds a finished run's outcome to its record: startup figures, status, metrics or the error."""
+               metrics_of, failure_metrics=lambda log: None) -> dict:
+        """Adds a finished run's outcome to its record: startup figures, status, metrics or the error. A run that
+        failed in a way that measures something (`failure_metrics` of its log: a ceiling run's estimate) is ok."""
         log = read_log(log_path)
         record.update(startup_figures(log))
         record["returncode"] = code
@@ -58,6 +60,8 @@ class Results:
                 record["metrics"], record["status"] = metrics_of(raw, log), "ok"
             except (KeyError, TypeError, ZeroDivisionError) as error:
                 record["status"], record["error"] = "failed", f"vLLM's JSON lacks {error}"
+        elif not timed_out and (measured := failure_metrics(log)):
+            record["metrics"], record["status"] = measured, "ok"
         else:
             record["status"] = "timeout" if timed_out else "failed"
             record["error"] = (f"timed out after {self.settings.timeout:.0f} s" if timed_out else
@@ -105,6 +109,8 @@ def _run_line(record: dict) -> str:
     metrics = record.get("metrics") or {}
     if record["status"] != "ok":
         figure = f"{record['status']}: {record.get('error')} (log: {record['log']})"
+    elif "accepted_len" in metrics:
+        figure = f"accepts max_model_len {ceiling_text(record)}"
     elif "output_tok_s" in metrics and metrics["output_tok_s"] is not None:
         figure = f"{metrics['output_tok_s']:,.1f} output tok/s"
     else:

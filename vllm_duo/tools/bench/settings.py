@@ -79,6 +79,14 @@ def vllm_cli(pretokenized: bool = False) -> list[str]:
     return [sys.executable, "-m", "vllm_duo.tools.bench"]
 
 
+def run_env(settings: Settings, workload: Workload) -> dict[str, str]:
+    """The environment added to a run's vLLM process: the invocation's, and for a ceiling run vLLM's leave to ask for
+    a max_model_len beyond the model's own (the KV cache, not the model config, is what it finds the limit of)."""
+    if workload.kind == "ceiling":
+        return {**settings.env, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    return settings.env
+
+
 def engine_args(settings: Settings, workload: Workload, variant: Variant) -> list[str]:
     args = ["--model", settings.model]
     if settings.tokenizer:

@@ -19,14 +19,15 @@ _BACKEND_MODULES = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "vllm.vllm_flash_a
 
 
 def variants_for(settings: Settings, workload: Workload, available_dense: list[str]) -> list[Variant]:
-    """Dense baselines first, then duo and zigzag, each at every --kv-cache-dtype."""
-    sparsities = settings.capacity_sparsity if workload.name == "capacity" else settings.sparsity
+    """Dense baselines first, then duo and zigzag, each at every --kv-cache-dtype. The workloads that only size the
+    KV cache (capacity, ceiling) run duo at the capacity sparsities, and no zigzag (its KV is duo's)."""
+    sizes_cache = workload.name == "capacity" or workload.kind == "ceiling"
+    sparsities = settings.capacity_sparsity if sizes_cache else settings.sparsity
     kv_dtypes = settings.kv_cache_dtypes
     baselines = [dense(kv) for kv in kv_dtypes] + [Variant(name + kv_suffix(kv), name, kv_cache_dtype=kv)
                                                    for name in available_dense for kv in kv_dtypes]
     duos = [duo(s, kv) for s in sparsities for kv in kv_dtypes]
-    zigzags = [] if workload.name == "capacity" else [zigzag(s, kv) for s in settings.zigzag_sparsity
-                                                      for kv in kv_dtypes]
+    zigzags = [] if sizes_cache else [zigzag(s, kv) for s in settings.zigzag_sparsity for kv in kv_dtypes]
     return {"dense": baselines, "duo": duos, "zigzag": zigzags}.get(settings.only, baselines + duos + zigzags)
 
 
@@ -66,7 +67,7 @@ class Suite:
         return [(w, v) for w in self.settings.workloads for v in variants_for(self.settings, w, self.available_dense)]
 
     def num_runs(self) -> int:
-        per = {"throughput": lambda w: 1, "latency": lambda w: 2 if w.prefill_baseline else 1,
+        per = {"throughput": lambda w: 1, "ceiling": lambda w: 1, "latency": lambda w: 2 if w.prefill_baseline else 1,
                "serve": lambda w: len(w.serve_points())}
         return sum(per[w.kind](w) for w, _ in self.planned())
 

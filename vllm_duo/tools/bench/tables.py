@@ -89,6 +89,41 @@ def capacity_table(index: RunIndex, workload: str) -> list[str]:
     return lines
 
 
+def ceiling_text(run: dict | None) -> str:
+    """A ceiling run's accepted length: "≥ N" where the engine started (the ceiling lies higher), else vLLM's
+    estimate; a failed run's status."""
+    if not ok(run):
+        return _value_or_status(run, None)
+    metrics = run["metrics"]
+    return f"{'≥ ' if metrics['lower_bound'] else ''}{metrics['accepted_len']:,}"
+
+
+def ceiling_ratio(run: dict | None, base: dict | None) -> str:
+    """One accepted length over another; a lower bound over an estimate is a lower bound ("≥"), the other way round an
+    upper bound, two lower bounds say nothing."""
+    if not (ok(run) and ok(base)):
+        return "-"
+    (value, above), (base_value, base_above) = ((r["metrics"]["accepted_len"], r["metrics"]["lower_bound"])
+                                                for r in (run, base))
+    if above and base_above:
+        return "-"
+    return f"{'≥ ' if above else '≤ ' if base_above else ''}{value / base_value:.2f}x"
+
+
+def ceiling_table(index: RunIndex, workload: str) -> list[str]:
+    """The longest request each backend accepts, against dense at the same KV cache dtype and dense at the model's."""
+    head = "| backend | longest request (tokens) | duo/dense | vs dense with the model's KV dtype | wall s |"
+    lines = [head, _separator(head)]
+    plain = index.find(workload, "dense", "main")
+    for backend in index.backends(workload):
+        run, dense = index.find(workload, backend, "main"), index.baseline(workload, backend, "main")
+        same = ceiling_ratio(run, dense) if not is_baseline(backend) else "-"
+        against_plain = ceiling_ratio(run, plain) if backend != "dense" else "-"
+        lines.append(f"| {backend} | {ceiling_text(run)} | {same} | {against_plain} "
+                     f"| {fmt((run or {}).get('wall_s'), 0)} |")
+    return lines
+
+
 def latency_table(index: RunIndex, workload: str) -> list[str]:
     with_tpot = any(r["phase"] == "prefill" for r in index.of(workload))
     output_len = next((r["output_len"] for r in index.of(workload, "main")), 0)

@@ -15,7 +15,8 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class Workload:
-    """One named benchmark shape; `kind` picks vLLM's `bench throughput`, `bench latency` or `bench serve`."""
+    """One named benchmark shape; `kind` picks vLLM's `bench throughput`, `bench latency` or `bench serve`, or
+    "ceiling": `bench throughput` whose result is vLLM's startup check of max_model_len."""
 
     name: str
     kind: str
@@ -58,7 +59,10 @@ class Workload:
         return f"{phase} run={run + 1}" if self.repeats > 1 else phase
 
     def describe(self) -> str:
-        if self.kind == "latency":
+        if self.kind == "ceiling":
+            shape = (f"vLLM's startup check of one request's length, then (if the engine starts) "
+                     f"{_prompts(self.num_prompts)} x {self.input_len:,} in / {self.output_len:,} out")
+        elif self.kind == "latency":
             shape = f"batch {self.batch_size} x {self.input_len:,} in / {self.output_len:,} out"
         elif self.dataset == "documents":
             at_once = f", at most {self.max_concurrency} at once" if self.max_concurrency else ""
@@ -78,7 +82,8 @@ class Workload:
         else:
             shape = f"{_prompts(self.num_prompts)} x {self.input_len:,} in / {self.output_len:,} out"
         extra = f", {' '.join(self.engine_args)}" if self.engine_args else ""
-        return f"`bench {self.kind}`, {shape}, max_model_len {self.max_model_len:,}{extra}"
+        bench = "throughput" if self.kind == "ceiling" else self.kind
+        return f"`bench {bench}`, {shape}, max_model_len {self.max_model_len:,}{extra}"
 
 
 def rate_text(rate: float) -> str:
@@ -95,6 +100,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("capacity", "throughput", 131072, 16, 1, num_prompts=1, engine_args=("--enforce-eager",),
              measures="vLLM's startup figures at 131,072 tokens per request (KV cache tokens, maximum concurrency); "
                       "one tiny prompt. Eager: no compilation or CUDA graphs, so a startup costs about half"),
+    Workload("ceiling", "ceiling", 4194304, 16, 1, engine_args=("--enforce-eager", "--max-num-seqs", "1"),
+             measures="the longest request one engine accepts: asked for 4,194,304 tokens, vLLM's startup check "
+                      "fails with its estimate of the longest max_model_len whose KV fits (binary search over the "
+                      "KV specs), read from the log; an engine that starts accepts at least that (\"≥\"). One startup "
+                      "per backend, eager, one sequence (block tables of 4M-token rows for vLLM's default batch "
+                      "would take memory from the KV cache); run it with --kv-cache-dtype auto fp8"),
     Workload("decode_heavy", "throughput", 18500, 16000, 2000, num_prompts=64,
              measures="long-context decode: dense holds ~25 such requests at once on an H100, duo at 0.5 ~twice as "
                       "many, and every decode step reads the whole KV of the batch"),
@@ -145,6 +156,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                       "cold, the other 8 hits (their median is the hit's TTFT)"),
     Workload("tiny", "throughput", 512, 128, 16, num_prompts=4, engine_args=_CPU_ARGS, cpu=True,
              measures="CPU check that the harness works (SmolLM2-135M); the figures mean nothing"),
+    Workload("tiny_ceiling", "ceiling", 65536, 16, 1, engine_args=("--max-num-seqs", "1", *_CPU_ARGS), cpu=True,
+             measures="CPU check of the ceiling path: 65,536 tokens (8x SmolLM2's own limit) is beyond dense's and "
+                      "duo 50%'s KV on a 1 GiB CPU cache, so both report vLLM's estimate"),
     Workload("tiny_latency", "latency", 512, 128, 8, batch_size=2, prefill_baseline=True, engine_args=_CPU_ARGS,
              cpu=True, measures="CPU check of the latency path (with its output-1 baseline)"),
     Workload("tiny_serve", "serve", 512, 128, 16, num_prompts=4, request_rates=(float("inf"),),
