@@ -159,6 +159,7 @@ json.dump(c, open(p, 'w'), indent=1)"
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     kernels_fp8) timeout 300 python3 benchmarks/kernels_bench.py --fp8 2>&1 | tee "$OUT/kernels_bench_fp8.log" | tail -30 ;;
     kernels_mixed) timeout 300 python3 benchmarks/kernels_bench.py --mixed 2>&1 | tee "$OUT/kernels_bench_mixed.log" | tail -60 ;;
+    kernels_long) timeout 400 python3 benchmarks/kernels_bench.py --long-decode 2>&1 | tee "$OUT/kernels_bench_long.log" | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -24,8 +24,14 @@ the host time to issue a call, cProfile's split of it, and the streaming heads' 
 Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
 streaming heads in one program each as before they were split.
 
-Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed]   (results: $OUT/kernels_bench.json,
-or benchmarks/results/ without $OUT).
+long decode (`--long-decode`, issue 32): whole 32-layer decode steps at batch 4 x 64k and 4 x 128k over an fp8 cache
+and 4 x 64k over bf16, each one CUDA graph replay as served: duo (the reference pattern's retrieval heads per layer at
+sparsity 0.5) against dense's cache write + FA3 (32 splits, the step's schedule), then duo with FA3's split cap at
+4-64, each part alone, the streaming heads on a second stream beside FA3, FA3 given a step schedule (bf16: FA3 on
+the retrieval heads instead of Triton), and the torch profiler's kernels of both steps.
+
+Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode]   (results:
+$OUT/kernels_bench[_fp8|_mixed|_long_decode].json, or benchmarks/results/ without $OUT).
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ class DuoLayout:
     table: torch.Tensor
 
     @classmethod
-    def build(cls, seq_lens: list[int], retrieval: list[int] = RETRIEVAL) -> DuoLayout:
+    def build(cls, seq_lens: list[int], retrieval: list[int] = RETRIEVAL, dtype: torch.dtype = DTYPE) -> DuoLayout:
         R, S = len(retrieval), NUM_KV_HEADS - len(retrieval)
         P = R
         stride = 1 + triton.cdiv(S, P)  # BLOCK slots x S streaming heads in blocks of BLOCK x P cells
@@ -134,7 +140,7 @@ class DuoLayout:
         for i, n in enumerate(counts):
             table[i, :n] = ids[offset:offset + n]
             offset += n
-        cache = torch.randn(sum(counts) + 1, 2, BLOCK, P, HEAD_DIM, dtype=DTYPE, device=DEV)
+        cache = random_pages((sum(counts) + 1, 2, BLOCK, P, HEAD_DIM), dtype)
         return cls(heads, cache, table)
 
     def copy_retrieval_from(self, dense_k, dense_v, dense_table, seq_lens):
@@ -155,7 +161,17 @@ class DuoLayout:
         return dataclasses.replace(h, streaming_kv=h.streaming_kv[:0], streaming_q=h.streaming_q[:0])
 
 
-def dense_paged(seq_lens: list[int], heads: int = NUM_KV_HEADS):
+def random_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Normal values in `dtype`, drawn in bf16 chunks of 256M elements (an fp8 cache is not made at twice its size)."""
+    pages = torch.empty(shape, dtype=dtype, device=DEV)
+    step = max(1, 2 ** 28 // pages[0].numel())
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        pages[i:i + n] = torch.randn((n, *shape[1:]), dtype=DTYPE, device=DEV).to(dtype)
+    return pages
+
+
+def dense_paged(seq_lens: list[int], heads: int = NUM_KV_HEADS, dtype: torch.dtype = DTYPE):
     """vLLM's FA layout: K and V `[num_blocks, block_size, heads, head_dim]`, scattered blocks."""
     counts = [triton.cdiv(s, BLOCK) for s in seq_lens]
     ids = torch.randperm(sum(counts), device=DEV).int()
@@ -164,8 +180,8 @@ def dense_paged(seq_lens: list[int], heads: int = NUM_KV_HEADS):
     for i, n in enumerate(counts):
         table[i, :n] = ids[offset:offset + n]
         offset += n
-    k = torch.randn(sum(counts), BLOCK, heads, HEAD_DIM, dtype=DTYPE, device=DEV)
-    v = torch.randn_like(k)
+    k = random_pages((sum(counts), BLOCK, heads, HEAD_DIM), dtype)
+    v = random_pages(k.shape, dtype)
     return k, v, table
 
 
@@ -615,6 +631,263 @@ def bench_mixed(fa, rows, out_json):
     out_json["mixed"] = results
 
 
+# Long decode (issue 32): (batch, context, cache dtype) of whole 32-layer decode steps, each one CUDA graph replay.
+LONG_DECODE_SHAPES = ((4, 65536, torch.float8_e4m3fn), (4, 131072, torch.float8_e4m3fn), (4, 65536, DTYPE))
+LONG_DECODE_FLASH_SPLITS = (4, 8, 16, 64)  # FLASH_MAX_SPLITS tried besides the served 32
+LONG_DECODE_REPLAYS = 20
+DENSE_GRAPH_SPLITS = 32  # vLLM's FLASH_ATTN max_num_splits under full CUDA graphs
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """`fn` in a CUDA graph, after one eager call on a side stream (compiles, autotunes, makes FA3 schedules)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = LONG_DECODE_REPLAYS) -> float:
+    """Median device time of a replay: CUDA events around each of `reps` back-to-back replays."""
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
+
+
+def kernel_profile(graph: torch.cuda.CUDAGraph, eager, steps: int = 10, top: int = 15) -> dict:
+    """The torch profiler over `steps` replays: per kernel, calls and device us per step. If the replays show no
+    kernels (a profiler that sees only the graph launch), over eager steps instead: the same kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def device_time(event) -> float:
+        return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+
+    def run(source):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                if source == "graph replays":
+                    graph.replay()
+                else:
+                    eager()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.key_averages() if device_time(e) > 0), key=device_time, reverse=True)
+        return dict(source=source, device_us_per_step=sum(device_time(e) for e in kernels) / steps,
+                    launches_per_step=sum(e.count for e in kernels) / steps,
+                    kernels=[dict(name=e.key[:90], calls_per_step=e.count / steps, us_per_step=device_time(e) / steps)
+                             for e in kernels[:top]])
+
+    result = run("graph replays")
+    return result if len(result["kernels"]) > 2 else run("eager steps")
+
+
+def bench_long_decode(fa, rows, out_json):
+    """Whole 32-layer decode steps at batch 4 x 64k / 128k as served (one full CUDA graph each): duo with the
+    reference pattern's per-layer retrieval heads (sparsity 0.5, reordered) vs dense's cache write + FA3, then
+    variants of duo's step that show where its time goes, and the kernels of both steps."""
+    from vllm import _custom_ops as ops
+    from vllm.vllm_flash_attn import get_scheduler_metadata
+    from vllm_duo import gpu_attention, vllm_seam
+    from vllm_duo.gpu_attention import retrieval_flash_attention
+    from vllm_duo.kernels.attention import triton_attention
+    from vllm_duo.pattern import resolve_pattern
+
+    pattern, _ = resolve_pattern("Meta-Llama-3.1-8B-Instruct")
+    counts = pattern.retrieval_counts(0.5)
+    fa3 = vllm_seam.flash_attn_varlen()  # as duo_attention_gpu calls it: None off Hopper
+    results = []
+    out_json["long_decode"] = results
+    for batch, context, cache_dtype in LONG_DECODE_SHAPES:
+        fp8 = cache_dtype == torch.float8_e4m3fn
+        case = f"{'fp8' if fp8 else 'bf16'} {batch}x{context // 1024}k"
+        max_len = context + 1024  # as served: decode sizes its splits for max_model_len
+        seq_lens = [context] * batch
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+        query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        key, value = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV) for _ in range(2))
+        outs = torch.zeros(len(counts), batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)  # one per layer
+        one = torch.ones((), dtype=torch.float32, device=DEV)
+        quant = KVQuant(one, one, one) if fp8 else None
+        columns = triton.cdiv(max_len, BLOCK)  # vLLM's block tables are as wide as max_model_len
+
+        layouts, retrieval_tables, splits, retrieval_only = {}, {}, {}, {}
+        for R in sorted(set(counts)):  # one cache per retrieval-head count: layers with the same count share it
+            d = layouts[R] = DuoLayout.build(seq_lens, retrieval=list(range(R)), dtype=cache_dtype)
+            pages = d.table[:, ::d.heads.stride]
+            retrieval_tables[R] = torch.zeros(batch, columns, dtype=torch.int32, device=DEV)
+            retrieval_tables[R][:, :pages.shape[1]] = pages
+            splits[R] = decode_num_splits(batch, R, max_len, DEV)
+            retrieval_only[R] = d.with_only("retrieval")
+        bytes_per = 1 if fp8 else BYTES
+        duo_bytes = sum(batch * (context * R + min(context, SINK + RECENT) * (NUM_KV_HEADS - R)) for R in counts) \
+            * 2 * HEAD_DIM * bytes_per
+        dense_bytes = len(counts) * batch * context * NUM_KV_HEADS * 2 * HEAD_DIM * bytes_per
+        res = dict(case=case, batch=batch, context=context, max_model_len=max_len, cache_dtype=str(cache_dtype),
+                   retrieval_counts=counts, duo_splits=splits, duo_kv_bytes=duo_bytes, dense_kv_bytes=dense_bytes,
+                   variants_ms={}, errors={})
+
+        def duo_step():
+            for i, R in enumerate(counts):
+                d = layouts[R]
+                duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE, outs[i], 1, max_len,
+                                  quant=quant, retrieval_table=retrieval_tables[R])
+
+        def duo_parts(write=True, retrieval=None, streaming=True, overlap=False, schedules=None):
+            """A duo step of chosen parts: the cache write, the retrieval heads (by "fa3" as served for fp8, or
+            "triton"), the streaming heads (Triton decode); `overlap` runs the streaming heads on a second stream
+            beside the retrieval heads."""
+            side = torch.cuda.Stream()
+
+            def step():
+                for i, R in enumerate(counts):
+                    d, out = layouts[R], outs[i]
+                    if write:
+                        cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
+                    stream_heads = streaming and d.heads.num_streaming > 0
+                    fork = overlap and stream_heads and retrieval is not None
+                    main = torch.cuda.current_stream()
+                    if fork:
+                        side.wait_stream(main)
+                        with torch.cuda.stream(side):
+                            triton_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, 1, splits[R],
+                                             d.cache, quant, streaming_only=True)
+                    if retrieval == "fa3":
+                        retrieval_flash_attention(fa3, query, d.cache, d.heads, qsl, sl, retrieval_tables[R], SCALE,
+                                                  out, 1, max_len, quant,
+                                                  num_splits=min(splits[R], gpu_attention.FLASH_MAX_SPLITS),
+                                                  schedules=schedules)
+                    elif retrieval == "triton":
+                        decode_attention(query, d.cache, retrieval_only[R], qsl, sl, d.table, SCALE, out, splits[R],
+                                         quant=quant)
+                    if stream_heads and not fork:
+                        triton_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, 1, splits[R], d.cache,
+                                         quant, streaming_only=True)
+                    if fork:
+                        main.wait_stream(side)
+            return step
+
+        def timed(label, fn, nbytes=float("nan"), keep=False):
+            """ms per step of `fn` as one CUDA graph replay; a row; the graph if `keep`."""
+            graph = None
+            try:
+                graph = capture(fn)
+                t = replay_ms(graph)
+            except Exception:  # noqa: BLE001 - note the failure, time the other variants
+                res["errors"][label] = traceback.format_exc()
+                print(f"{case} {label} failed:\n{res['errors'][label]}", file=sys.stderr)
+                t = float("nan")
+            res["variants_ms"][label] = t
+            rows.append((case, label, t, nbytes / t / 1e6))
+            return graph if keep else None
+
+        # dense, as vLLM 0.26's FLASH_ATTN runs it in a full CUDA graph: cache write, q quantized (fp8), FA3 with
+        # the step's schedule made outside the graph and 32 splits
+        dense_k, dense_v, dense_table = dense_paged(seq_lens, dtype=cache_dtype)
+        dense_table = torch.nn.functional.pad(dense_table, (0, columns - dense_table.shape[1]))
+        last = sl.long() - 1
+        slots = dense_table[torch.arange(batch, device=DEV), last // BLOCK].long() * BLOCK + last % BLOCK
+        k_store, v_store = (dense_k.view(torch.uint8), dense_v.view(torch.uint8)) if fp8 else (dense_k, dense_v)
+        dense_outs = torch.zeros_like(outs)
+        descales = {}
+        if fp8:
+            shape = (batch, NUM_KV_HEADS)
+            descales = dict(q_descale=one.expand(shape), k_descale=one.expand(shape), v_descale=one.expand(shape))
+        q_scale = torch.ones(1, dtype=torch.float32, device=DEV)
+        dense_graph = duo_graph = dense_step = None
+        if fa is not None and fa.version == 3:
+            schedule = get_scheduler_metadata(
+                batch_size=batch, max_seqlen_q=1, max_seqlen_k=context, num_heads_q=NUM_HEADS,
+                num_heads_kv=NUM_KV_HEADS, headdim=HEAD_DIM, cache_seqlens=sl, qkv_dtype=cache_dtype,
+                cu_seqlens_q=qsl, page_size=BLOCK, causal=True, num_splits=DENSE_GRAPH_SPLITS)
+
+            def dense_step():
+                for i in range(len(counts)):
+                    ops.reshape_and_cache_flash(key, value, k_store, v_store, slots, "fp8" if fp8 else "auto", one,
+                                                one)
+                    q = query
+                    if fp8:
+                        q = ops.scaled_fp8_quant(query.reshape(batch, -1), q_scale)[0].view(query.shape)
+                    fa(q, dense_k, dense_v, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context, seqused_k=sl,
+                       softmax_scale=SCALE, causal=True, block_table=dense_table, out=dense_outs[i],
+                       scheduler_metadata=schedule, num_splits=DENSE_GRAPH_SPLITS, **descales)
+
+            dense_graph = timed("dense", dense_step, dense_bytes, keep=True)
+
+        # duo as served; its graph against eager steps (same kernels: a capture check)
+        duo_step()
+        torch.cuda.synchronize()
+        eager = outs.clone()
+        duo_graph = timed("duo", duo_step, duo_bytes, keep=True)
+        if duo_graph is not None:
+            outs.fill_(float("nan"))
+            duo_graph.replay()
+            res["duo_graph_vs_eager_rel_err"] = rel_err(outs, eager)
+        res["dense_ms"], res["duo_ms"] = res["variants_ms"].get("dense", float("nan")), res["variants_ms"]["duo"]
+        res["dense_over_duo"] = res["dense_ms"] / res["duo_ms"]
+
+        timed("write only", duo_parts(retrieval=None, streaming=False))
+        timed("streaming only (Triton)", duo_parts(write=False, streaming=True))
+        if fp8 and fa3 is not None:
+            default_splits = gpu_attention.FLASH_MAX_SPLITS
+            try:
+                for cap in LONG_DECODE_FLASH_SPLITS:
+                    gpu_attention.FLASH_MAX_SPLITS = cap
+                    timed(f"duo, FA3 splits {cap}", duo_step, duo_bytes)
+            finally:
+                gpu_attention.FLASH_MAX_SPLITS = default_splits
+            timed("retrieval only (FA3)", duo_parts(write=False, retrieval="fa3", streaming=False))
+            timed("duo, FA3 with a step schedule", duo_parts(retrieval="fa3", schedules={}), duo_bytes)
+            overlapped = duo_parts(retrieval="fa3", overlap=True)
+        else:  # bf16 as served: Triton decodes every head; would FA3 on the retrieval heads help?
+            timed("retrieval only (Triton)", duo_parts(write=False, retrieval="triton", streaming=False))
+            overlapped = None
+            if fa3 is not None:
+                timed("retrieval only (FA3)", duo_parts(write=False, retrieval="fa3", streaming=False))
+                timed("duo, FA3 retrieval + Triton streaming", duo_parts(retrieval="fa3"), duo_bytes)
+                overlapped = duo_parts(retrieval="fa3", overlap=True)
+        if overlapped is not None:
+            graph = timed("duo, streaming on a 2nd stream", overlapped, duo_bytes, keep=True)
+            if graph is not None:
+                outs.fill_(float("nan"))
+                graph.replay()
+                res["overlap_vs_eager_rel_err"] = rel_err(outs, eager)
+            del graph
+
+        res["profiles"] = {}
+        for name, graph, eager_step in (("dense", dense_graph, dense_step), ("duo", duo_graph, duo_step)):
+            if graph is not None:
+                res["profiles"][name] = profile = kernel_profile(graph, eager_step)
+                print(f"\n{case} {name} step kernels ({profile['source']}): {profile['device_us_per_step']:.0f} us, "
+                      f"{profile['launches_per_step']:.0f} launches per step")
+                for k in profile["kernels"]:
+                    print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:5.0f} x  {k['name']}")
+        results.append(res)
+        del dense_graph, duo_graph, layouts, retrieval_tables, retrieval_only, dense_k, dense_v, k_store, v_store
+        torch.cuda.empty_cache()
+
+
+def print_long_decode(results: list[dict]) -> None:
+    """shape, dense and duo ms per step, their ratio, then each variant's ms per step."""
+    print(f"\n{'shape':<12} {'dense ms':>9} {'duo ms':>8} {'dense/duo':>9}")
+    for r in results:
+        print(f"{r['case']:<12} {r['dense_ms']:9.3f} {r['duo_ms']:8.3f} {r['dense_over_duo']:9.3f}")
+        for label, t in r["variants_ms"].items():
+            if label not in ("dense", "duo"):
+                print(f"{'':<12}   {label:<40} {t:8.3f}")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("kernels_bench.py needs a CUDA GPU")
@@ -633,6 +906,8 @@ def main():
         parts = (("decode_fp8", bench_decode_fp8),)
     elif "--mixed" in sys.argv:
         parts = (("mixed", bench_mixed),)
+    elif "--long-decode" in sys.argv:
+        parts = (("long_decode", bench_long_decode),)
     else:
         parts = (("decode", bench_decode), ("prefill", bench_prefill))
     for name, fn in parts:
@@ -645,7 +920,8 @@ def main():
 
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
-    suffix = "_fp8" if "--fp8" in sys.argv else "_mixed" if "--mixed" in sys.argv else ""
+    suffix = next((s for flag, s in (("--fp8", "_fp8"), ("--mixed", "_mixed"), ("--long-decode", "_long_decode"))
+                   if flag in sys.argv), "")
     result_file = target / f"kernels_bench{suffix}.json"
     result_file.write_text(json.dumps(out_json, indent=2))
 
@@ -656,6 +932,7 @@ def main():
                if "rel_err" in k]
     checks += [(f"prefill {r['tokens']}", k, v) for r in out_json.get("prefill", []) for k, v in r.items()
                if "rel_err" in k]
+    checks += [(r["case"], k, v) for r in out_json.get("long_decode", []) for k, v in r.items() if "rel_err" in k]
     for case, k, v in checks:
         print(f"  check {case} {k}: {v:.2e}")
     print(f"{'case':<13} {'kernel':<52} {'ms':>9} {'GB/s':>8} {'% nominal':>9}")
@@ -663,6 +940,8 @@ def main():
         pct = f"{100 * gbps / (nominal * 1e3):8.1f}%" if gbps == gbps else ""
         bw = f"{gbps:8.0f}" if gbps == gbps else ""
         print(f"{case:<13} {name:<52} {t:9.3f} {bw:>8} {pct:>9}")
+    if out_json.get("long_decode"):
+        print_long_decode(out_json["long_decode"])
     print(f"wrote {result_file} ({out_json['wall_s']:.0f} s)")
 
 
