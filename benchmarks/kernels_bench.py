@@ -27,8 +27,9 @@ streaming heads in one program each as before they were split.
 long decode (`--long-decode`, issue 32): whole 32-layer decode steps at batch 4 x 64k and 4 x 128k over an fp8 cache
 and 4 x 64k over bf16, each one CUDA graph replay as served: duo (the reference pattern's retrieval heads per layer at
 sparsity 0.5) against dense's cache write + FA3 (32 splits, the step's schedule), then duo with FA3's split cap at
-4-64, each part alone, the streaming heads on a second stream beside FA3, FA3 given a step schedule (bf16: FA3 on
-the retrieval heads instead of Triton), and the torch profiler's kernels of both steps.
+4-64, each part alone, the streaming heads after FA3 on one stream (served: beside it on a second stream), FA3
+given a step schedule (bf16: FA3 on the retrieval heads instead of Triton, alone and beside the streaming heads), and
+the torch profiler's kernels of both steps.
 
 Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode]   (results:
 $OUT/kernels_bench[_fp8|_mixed|_long_decode].json, or benchmarks/results/ without $OUT).
@@ -848,8 +849,9 @@ def bench_long_decode(fa, rows, out_json):
             finally:
                 gpu_attention.FLASH_MAX_SPLITS = default_splits
             timed("retrieval only (FA3)", duo_parts(write=False, retrieval="fa3", streaming=False))
-            timed("duo, FA3 with a step schedule", duo_parts(retrieval="fa3", schedules={}), duo_bytes)
-            overlapped = duo_parts(retrieval="fa3", overlap=True)
+            timed("duo, FA3 with a step schedule", duo_parts(retrieval="fa3", schedules={}, overlap=True), duo_bytes)
+            timed("duo, streaming after FA3 on one stream", duo_parts(retrieval="fa3"), duo_bytes)
+            overlapped = None  # served: the streaming heads already run beside FA3
         else:  # bf16 as served: Triton decodes every head; would FA3 on the retrieval heads help?
             timed("retrieval only (Triton)", duo_parts(write=False, retrieval="triton", streaming=False))
             overlapped = None

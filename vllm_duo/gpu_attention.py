@@ -5,10 +5,13 @@ the Triton kernels (kernels/) for the rest.
 FlashAttention-3 (Hopper, vLLM's build) takes the retrieval heads of every prefill, and of decode over fp8 pages,
 which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8). Triton keeps the Λ-masked
 streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads, then the streaming heads, measured
-35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host).
+35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
+FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -41,15 +44,47 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                                      quant)
     flash = vllm_seam.flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
     by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn)
-    if by_flash and heads.num_retrieval:
-        if retrieval_table is None:
-            retrieval_table = block_table[:, ::heads.stride].contiguous()
-        retrieval_flash_attention(flash, query, cache, heads, query_start_loc, seq_lens, retrieval_table, scale,
-                                  output, max_query_len, max_seq_len, quant,
-                                  num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
-                                  schedules=flash_schedules if max_query_len > 1 else None)
-    triton_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, max_query_len,
-                     max_num_splits, stream_cache, quant, streaming_only=by_flash)
+    streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
+                                  scale, output, max_query_len, max_num_splits, stream_cache, quant,
+                                  streaming_only=by_flash)
+    if not (by_flash and heads.num_retrieval):
+        streaming()
+        return
+    if retrieval_table is None:
+        retrieval_table = block_table[:, ::heads.stride].contiguous()
+    retrieval = functools.partial(
+        retrieval_flash_attention, flash, query, cache, heads, query_start_loc, seq_lens, retrieval_table, scale,
+        output, max_query_len, max_seq_len, quant,
+        num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
+        schedules=flash_schedules if max_query_len > 1 else None)
+    if max_query_len == 1 and heads.num_streaming:
+        beside(streaming, retrieval, query.device)
+    else:
+        retrieval()
+        streaming()
+
+
+def beside(side_work, main_work, device: torch.device) -> None:
+    """`side_work` on a second stream while `main_work` runs on the current one; both start after everything queued
+    so far and finish before anything queued after.
+
+    Decode over a long context is FlashAttention streaming the retrieval heads' pages; the streaming heads' few
+    hundred keys per head are a chain of short dependent tiles that leave most SMs idle, so beside it they cost
+    almost nothing (the 32-layer step at 4 x 64k fp8: 4.76 -> 4.34 ms, kernels_bench.py --long-decode). Inside a
+    CUDA graph capture the second stream joins the capture as a parallel branch (its allocations come from the
+    graph's pool, as the capture stream's do)."""
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        side_work()
+    main_work()
+    main.wait_stream(side)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index: one second stream each, made on first use
 
 
 # (query, cache) dtypes FlashAttention-3 takes: 16-bit, or fp8 e4m3 KV with queries quantized to it;
@@ -99,7 +134,9 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
                 qkv_dtype=cache.dtype, cu_seqlens_q=query_start_loc, page_size=cache.shape[2], causal=True,
                 num_splits=num_splits)
         options["scheduler_metadata"] = schedules[R]
-    into = output[:, :R * heads.group_size] if heads.retrieval_first and q.dtype == output.dtype else None
+    # FlashAttention-3 returns its fp8 path's output in bf16: a bf16 model's output slice takes it in place
+    out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    into = output[:, :R * heads.group_size] if heads.retrieval_first and out_dtype == output.dtype else None
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
