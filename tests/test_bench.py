@@ -457,7 +457,7 @@ def test_report_tables_limits_and_plots(tmp_path):
     assert "**failed**" in report and "Traceback ... boom" in report
     assert "| duo s=0.5 | 16,000 | 1 | 310.0 | 700 |" in report
     # the sweep: one row per prompt length, median ITL against dense's at the same length
-    assert "| duo s=0.5 | 65,536 | inf |" in report and "| 12.0 | 4/0 | - | - | - | 0.60x |" in report
+    assert "| duo s=0.5 | 65,536 | inf |" in report and "| 12.0 | - | 4/0 | - | - | - | 0.60x |" in report
     # the serve profile: 3 busy stats lines of 10 s, one of them with a queue
     assert "| dense | 1 | 30 | 28 | 10 | 10 | 98.1% | 16,000 | 500 |" in report
     for name in ("output_throughput_vs_context_length.png", "time_per_output_token_vs_context_length.png",
@@ -527,3 +527,29 @@ def test_pretokenized_throughput_sends_the_sampled_prompts_as_token_ids(smollm2_
     vllm_seam.pretokenize_bench_throughput()  # what `python -m vllm_duo.tools.bench --pretokenized` does
     requests = throughput.get_requests(args, tokenizer)
     assert [request.prompt for request in requests] == [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]
+
+
+def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(monkeypatch):
+    """The /metrics counters are summed over label sets; the older ITL histogram counts only where the newer is
+    absent; a client's figures are the counters' growth over its run."""
+    import io
+    import urllib.request
+
+    from vllm_duo.tools.bench import served
+
+    pages = iter([
+        'vllm:prefix_cache_queries_total{engine="0"} 100\nvllm:prefix_cache_hits_total{engine="0"} 40\n'
+        'vllm:inter_token_latency_seconds_sum{engine="0"} 2.0\nvllm:inter_token_latency_seconds_count{engine="0"} 100\n'
+        'vllm:time_per_output_token_seconds_sum{engine="0"} 9.0\nvllm:time_to_first_token_seconds_sum 1.0\n'
+        'vllm:time_to_first_token_seconds_count 2\n# HELP vllm:ignored x\n',
+        'vllm:prefix_cache_queries_total{engine="0"} 300\nvllm:prefix_cache_hits_total{engine="0"} 190\n'
+        'vllm:inter_token_latency_seconds_sum{engine="0"} 3.0\nvllm:inter_token_latency_seconds_count{engine="0"} 150\n'
+        'vllm:time_per_output_token_seconds_sum{engine="0"} 99.0\nvllm:time_to_first_token_seconds_sum 7.0\n'
+        'vllm:time_to_first_token_seconds_count 4\n'])
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(next(pages).encode()))
+    before, after = served.server_counters(8000), served.server_counters(8000)
+    counts = served.client_counts(before, after)
+    assert counts["prefix_cache_hit_rate"] == pytest.approx(150 / 200)
+    assert counts["engine_mean_itl_ms"] == pytest.approx(1e3 * 1.0 / 50)
+    assert counts["engine_mean_ttft_ms"] == pytest.approx(1e3 * 6.0 / 2)
+    assert served.client_counts({}, after) == {}

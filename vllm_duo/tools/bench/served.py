@@ -45,28 +45,50 @@ def client_command(settings: Settings, workload: Workload, input_len: int, rate:
                          "--save-result", "--result-dir", str(json_path.parent), "--result-filename", json_path.name]
 
 
-def prefix_cache_counters(port: int) -> dict[str, float]:
-    """The server's prefix-cache counters (tokens queried, tokens hit) from its Prometheus /metrics; {} if none."""
+# The server's Prometheus counters a client's run is read by (before and after it): prefix-cache lookups, and the
+# engine's own token latencies, stamped where the engine core emits each step's tokens. The client's ITL is the gap
+# between the chunks it receives: when the API server falls behind (detokenizing beside a 1M-token prompt), it
+# sends several tokens in one chunk and the client's TTFT, TPOT and ITL no longer count engine steps.
+_COUNTERS = {"queries": ("vllm:prefix_cache_queries_total",), "hits": ("vllm:prefix_cache_hits_total",),
+             # vLLM's inter-token histogram, under its older name where the newer is absent
+             "itl_s": ("vllm:inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum"),
+             "itl_count": ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"),
+             "ttft_s": ("vllm:time_to_first_token_seconds_sum",),
+             "ttft_count": ("vllm:time_to_first_token_seconds_count",)}
+
+
+def server_counters(port: int) -> dict[str, float]:
+    """The server's counters of `_COUNTERS` from its /metrics (summed over its label sets); {} if unreachable."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             text = response.read().decode()
     except OSError:
         return {}
-    counters: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for line in text.splitlines():
-        for name in ("queries", "hits"):
-            if line.startswith(f"vllm:prefix_cache_{name}_total"):
-                counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if line.startswith("vllm:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            by_name[name] = by_name.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    counters = {}
+    for key, names in _COUNTERS.items():
+        if found := next((name for name in names if name in by_name), None):
+            counters[key] = by_name[found]
     return counters
 
 
-def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Prefix-cache hits of one client: the counters' growth while it ran."""
-    if not {"queries", "hits"} <= before.keys() & after.keys():
-        return {}
-    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
-    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
-            "prefix_cache_hit_rate": hits / queries if queries else None}
+def client_counts(before: dict[str, float], after: dict[str, float]) -> dict:
+    """One client's prefix-cache hits and the engine's mean inter-token latency and TTFT over its requests: the
+    counters' growth while it ran."""
+    grew = {key: after[key] - before[key] for key in before.keys() & after.keys()}
+    counts = {}
+    if "queries" in grew and "hits" in grew:
+        counts.update(prefix_cache_queries=grew["queries"], prefix_cache_hits=grew["hits"],
+                      prefix_cache_hit_rate=grew["hits"] / grew["queries"] if grew["queries"] else None)
+    for name, total, count in (("engine_mean_itl_ms", "itl_s", "itl_count"),
+                               ("engine_mean_ttft_ms", "ttft_s", "ttft_count")):
+        if grew.get(count):
+            counts[name] = 1e3 * grew[total] / grew[count]
+    return counts
 
 
 def _file_part(phase: str) -> str:
@@ -134,14 +156,14 @@ def _run_client(results: Results, workload: Workload, variant: Variant, point: t
         results.add(record, progress)
         return
     json_path.unlink(missing_ok=True)
-    counters = prefix_cache_counters(port)
+    counters = server_counters(port)
     start = time.monotonic()
     code, timed_out = run_logged(cmd, log_path, settings.timeout)
-    hits = hit_rate(counters, prefix_cache_counters(port))
+    counts = client_counts(counters, server_counters(port))
     record["wall_s"] = round(time.monotonic() - start, 1)
     record["finished_at"] = now()
     record = results.finish(record, log_path, code, timed_out, read_json(json_path),
-                            lambda raw, log: {**serve_metrics(raw), **hits})
+                            lambda raw, log: {**serve_metrics(raw), **counts})
     record.update({k: v for k, v in startup_figures(read_log(server_log)).items()
                    if v not in (None, [])})  # the engine is the server's: its startup lines are in its log
     if record["status"] == "ok" and (record["metrics"].get("failed") or 0) > 0:

@@ -154,7 +154,7 @@ def latency_table(index: RunIndex, workload: str) -> list[str]:
 
 def serve_table(index: RunIndex, workload: str) -> list[str]:
     head = ("| backend | input tokens | rate req/s (run) | output tok/s | p99 TTFT ms | median TTFT ms "
-            "| mean TPOT ms | p99 TPOT ms | median ITL ms | done/failed | prefix cache hits | duo/dense output tok/s "
+            "| mean TPOT ms | p99 TPOT ms | median ITL ms | engine mean ITL ms | done/failed | prefix cache hits | duo/dense output tok/s "
             "| duo/dense p99 TTFT | duo/dense median ITL | KV cache tokens | max concurrency |")
     lines = [head, _separator(head)]
     phases = list(dict.fromkeys(r["phase"] for r in index.of(workload)))
@@ -173,7 +173,8 @@ def serve_table(index: RunIndex, workload: str) -> list[str]:
                 f"| {backend} | {run['input_len']:,} | {rate_and_run(run)} "
                 f"| {_value_or_status(run, out_tok)} | {fmt(ttft, 0)} "
                 f"| {fmt(metric(run, 'median_ttft_ms'), 0)} | {fmt(metric(run, 'mean_tpot_ms'), 1)} "
-                f"| {fmt(metric(run, 'p99_tpot_ms'), 1)} | {fmt(itl, 1)} | {done} "
+                f"| {fmt(metric(run, 'p99_tpot_ms'), 1)} | {fmt(itl, 1)} | {fmt(metric(run, 'engine_mean_itl_ms'), 1)} "
+                f"| {done} "
                 f"| {fmt(None if hits is None else 100 * hits, 1, '%')} | " + " | ".join(ratios)
                 + " | " + " | ".join(_capacity_cells(run)) + " |")
     return lines
