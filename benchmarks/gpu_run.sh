@@ -120,8 +120,8 @@ for stage in "$@"; do
 import json; p = '/tmp/gradient4194k/config.json'; c = json.load(open(p))
 c.update(max_position_embeddings=4194304, rope_theta=2804339835.0); c.pop('rope_scaling', None)
 json.dump(c, open(p, 'w'), indent=1)"
-      DEADLINE=${LONG_DEADLINE:-1700} bench long-request --model /tmp/gradient4194k --pattern Llama-3-8B-Instruct-Gradient-4194k \
-        --workloads tpot_sweep --kv-cache-dtype fp8 --only ${ONLY:-duo} --timeout ${LONG_DEADLINE:-1700} \
+      DEADLINE=${LONG_DEADLINE:-1700} bench long-request --model /tmp/gradient4194k \
+        --pattern Llama-3-8B-Instruct-Gradient-4194k --workloads tpot_sweep --kv-cache-dtype fp8 --only ${ONLY:-duo} --timeout ${LONG_DEADLINE:-1700} \
         --engine-args "--max-num-seqs 8" --set tpot_sweep.num_prompts=1 tpot_sweep.max_concurrency=1 \
         tpot_sweep.input_lens=${LONG_LEN:-1000000} tpot_sweep.output_len=128 \
         tpot_sweep.max_model_len=$((${LONG_LEN:-1000000} + 1024)) ;;

@@ -154,8 +154,9 @@ def latency_table(index: RunIndex, workload: str) -> list[str]:
 
 def serve_table(index: RunIndex, workload: str) -> list[str]:
     head = ("| backend | input tokens | rate req/s (run) | output tok/s | p99 TTFT ms | median TTFT ms "
-            "| mean TPOT ms | p99 TPOT ms | median ITL ms | engine mean ITL ms | done/failed | prefix cache hits | duo/dense output tok/s "
-            "| duo/dense p99 TTFT | duo/dense median ITL | KV cache tokens | max concurrency |")
+            "| mean TPOT ms | p99 TPOT ms | median ITL ms | engine mean ITL ms | done/failed | prefix cache hits "
+            "| duo/dense output tok/s | duo/dense p99 TTFT | duo/dense median ITL | KV cache tokens "
+            "| max concurrency |")
     lines = [head, _separator(head)]
     phases = list(dict.fromkeys(r["phase"] for r in index.of(workload)))
     for phase in phases:

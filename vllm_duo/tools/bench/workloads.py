@@ -103,9 +103,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("ceiling", "ceiling", 4194304, 16, 1, engine_args=("--enforce-eager", "--max-num-seqs", "1"),
              measures="the longest request one engine accepts: asked for 4,194,304 tokens, vLLM's startup check "
                       "fails with its estimate of the longest max_model_len whose KV fits (binary search over the "
-                      "KV specs), read from the log; an engine that starts accepts at least that (\"≥\"). One startup "
-                      "per backend, eager, one sequence (block tables of 4M-token rows for vLLM's default batch "
-                      "would take memory from the KV cache); run it with --kv-cache-dtype auto fp8"),
+                      "KV specs), read from the log; an engine that starts accepts at least that (a lower bound). "
+                      "One startup per backend, eager, one sequence (block tables of 4M-token rows for vLLM's "
+                      "default batch would take memory from the KV cache); run it with --kv-cache-dtype auto fp8"),
     Workload("decode_heavy", "throughput", 18500, 16000, 2000, num_prompts=64,
              measures="long-context decode: dense holds ~25 such requests at once on an H100, duo at 0.5 ~twice as "
                       "many, and every decode step reads the whole KV of the batch"),
