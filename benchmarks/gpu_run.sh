@@ -108,23 +108,24 @@ for stage in "$@"; do
     fp8_decode) bench fp8 --workloads decode_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_serve) bench fp8 --workloads serve_16k --set serve_16k.request_rates=${RATE:-2} --kv-cache-dtype fp8 \
         --only ${ONLY:?set ONLY=dense or duo} ;;
-    # issue 32: decode at batch 4 over 64k and 128k contexts, one server per backend (KV=fp8|auto, ONLY=dense|duo)
+    # issue 32: decode at batch 4 over 64k and 127k contexts, one server per backend (KV=fp8|auto, ONLY=dense|duo);
+    # /tmp/llama8b's config allows 131,072 tokens, which leave 127k of prompt room for 256 output tokens
     tpot_long) bench tpot-long-${KV:-fp8} --workloads tpot_sweep --kv-cache-dtype ${KV:-fp8} \
-        --set tpot_sweep.input_lens=${LENS:-65536,131072} tpot_sweep.max_model_len=${MAXLEN:-132000} \
+        --set tpot_sweep.input_lens=${LENS:-65536,130048} tpot_sweep.max_model_len=${MAXLEN:-131072} \
         ${ONLY:+--only $ONLY} ;;
     # issue 32: one request longer than dense fp8's whole cache, served end to end by duo at fp8 on the Llama-3-8B
     # shape with a 4M-token position range (the Gradient-4194k config: dummy weights, so its rope_theta is only
-    # copied); LONG_LEN tokens in, 128 out, TTFT and TPOT from `bench serve`. long_bg runs it in a session of its
-    # own (it outlives the call, ~10 min); long_status reports it.
+    # copied); LONG_LEN tokens in, 128 out, TTFT and TPOT from `bench serve` and the engine's histograms. long_bg
+    # runs it in a session of its own (it outlives the call, ~10 min); long_status reports it.
     long_request) mkdir -p /tmp/gradient4194k && cp /tmp/llama8b/* /tmp/gradient4194k/ && python3 -c "
 import json; p = '/tmp/gradient4194k/config.json'; c = json.load(open(p))
 c.update(max_position_embeddings=4194304, rope_theta=2804339835.0); c.pop('rope_scaling', None)
 json.dump(c, open(p, 'w'), indent=1)"
       DEADLINE=${LONG_DEADLINE:-1700} bench long-request --model /tmp/gradient4194k \
-        --pattern Llama-3-8B-Instruct-Gradient-4194k --workloads tpot_sweep --kv-cache-dtype fp8 --only ${ONLY:-duo} --timeout ${LONG_DEADLINE:-1700} \
-        --engine-args "--max-num-seqs 8" --set tpot_sweep.num_prompts=1 tpot_sweep.max_concurrency=1 \
-        tpot_sweep.input_lens=${LONG_LEN:-1000000} tpot_sweep.output_len=128 \
-        tpot_sweep.max_model_len=$((${LONG_LEN:-1000000} + 1024)) ;;
+        --pattern Llama-3-8B-Instruct-Gradient-4194k --workloads tpot_sweep --kv-cache-dtype fp8 --only ${ONLY:-duo} \
+        --timeout ${LONG_DEADLINE:-1700} --engine-args "--max-num-seqs 8" \
+        --set tpot_sweep.num_prompts=1 tpot_sweep.max_concurrency=1 tpot_sweep.input_lens=${LONG_LEN:-1000000} \
+        tpot_sweep.output_len=128 tpot_sweep.max_model_len=$((${LONG_LEN:-1000000} + 1024)) ;;
     long_bg) setsid nohup bash benchmarks/gpu_run.sh long_request > $WORK/long_request.out 2>&1 < /dev/null &
       echo "started long_request (pid $!)" ;;
     long_status) tr '\r' '\n' < $WORK/long_request.out | grep -v '^ *$' | tail -5
@@ -159,7 +160,8 @@ json.dump(c, open(p, 'w'), indent=1)"
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     kernels_fp8) timeout 300 python3 benchmarks/kernels_bench.py --fp8 2>&1 | tee "$OUT/kernels_bench_fp8.log" | tail -30 ;;
     kernels_mixed) timeout 300 python3 benchmarks/kernels_bench.py --mixed 2>&1 | tee "$OUT/kernels_bench_mixed.log" | tail -60 ;;
-    kernels_long) timeout 400 python3 benchmarks/kernels_bench.py --long-decode 2>&1 | tee "$OUT/kernels_bench_long.log" | tail -60 ;;
+    kernels_long) timeout 400 python3 benchmarks/kernels_bench.py --long-decode 2>&1 \
+        | tee "$OUT/kernels_bench_long.log" | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -38,6 +38,7 @@ $OUT/kernels_bench[_fp8|_mixed|_long_decode].json, or benchmarks/results/ withou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import json
@@ -748,35 +749,28 @@ def bench_long_decode(fa, rows, out_json):
         def duo_parts(write=True, retrieval=None, streaming=True, overlap=False, schedules=None):
             """A duo step of chosen parts: the cache write, the retrieval heads (by "fa3" as served for fp8, or
             "triton"), the streaming heads (Triton decode); `overlap` runs the streaming heads on a second stream
-            beside the retrieval heads."""
-            side = torch.cuda.Stream()
-
+            beside the retrieval heads (gpu_attention.beside, as served)."""
             def step():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
                     if write:
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
-                    stream_heads = streaming and d.heads.num_streaming > 0
-                    fork = overlap and stream_heads and retrieval is not None
-                    main = torch.cuda.current_stream()
-                    if fork:
-                        side.wait_stream(main)
-                        with torch.cuda.stream(side):
-                            triton_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, 1, splits[R],
-                                             d.cache, quant, streaming_only=True)
-                    if retrieval == "fa3":
-                        retrieval_flash_attention(fa3, query, d.cache, d.heads, qsl, sl, retrieval_tables[R], SCALE,
-                                                  out, 1, max_len, quant,
-                                                  num_splits=min(splits[R], gpu_attention.FLASH_MAX_SPLITS),
-                                                  schedules=schedules)
-                    elif retrieval == "triton":
-                        decode_attention(query, d.cache, retrieval_only[R], qsl, sl, d.table, SCALE, out, splits[R],
-                                         quant=quant)
-                    if stream_heads and not fork:
-                        triton_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, 1, splits[R], d.cache,
-                                         quant, streaming_only=True)
-                    if fork:
-                        main.wait_stream(side)
+                    streaming_part = (functools.partial(triton_attention, query, d.cache, d.heads, qsl, sl, d.table,
+                                                        SCALE, out, 1, splits[R], d.cache, quant, streaming_only=True)
+                                      if streaming and d.heads.num_streaming else None)
+                    retrieval_part = (
+                        functools.partial(retrieval_flash_attention, fa3, query, d.cache, d.heads, qsl, sl,
+                                          retrieval_tables[R], SCALE, out, 1, max_len, quant,
+                                          num_splits=min(splits[R], gpu_attention.FLASH_MAX_SPLITS),
+                                          schedules=schedules) if retrieval == "fa3"
+                        else functools.partial(decode_attention, query, d.cache, retrieval_only[R], qsl, sl, d.table,
+                                               SCALE, out, splits[R], quant=quant) if retrieval == "triton" else None)
+                    if overlap and streaming_part and retrieval_part:
+                        gpu_attention.beside(streaming_part, retrieval_part, DEV)
+                        continue
+                    for part in (retrieval_part, streaming_part):
+                        if part:
+                            part()
             return step
 
         def timed(label, fn, nbytes=float("nan"), keep=False):
