@@ -67,6 +67,10 @@ for stage in "$@"; do
       cp $dir/identify.log "$OUT/"; cp $dir/*.json "$OUT/" 2>/dev/null ;;
     identify_bg)  # the identify stage without a time limit, in a session of its own (setsid): it outlives this call
       # and trains on while the machine stays warm, beside the evals of the next calls; identify_status reports it.
+      # A mask fine-tune (issue 31): IDENTIFY_ARGS="--target-sparsity 0.25 --init-pattern SmolLM2-135M-Instruct
+      # --repeated-haystack 0.5" (the bundled pattern by name, or by path /tmp/site/vllm_duo/patterns/*.json) writes
+      # that pattern with masks["0.25"] added (its names, sink/recent 64/512 and license kept: --name etc. unused);
+      # evaluate it with the eval stage's EVAL_PATTERN=$WORK/identify-NAME/SmolLM2-135M-Instruct.json.
       dir=$WORK/identify${IDENTIFY_NAME:+-$IDENTIFY_NAME}; mkdir -p $dir
       setsid nohup python3 -m vllm_duo.tools.cli identify --model /tmp/smol --steps ${IDENTIFY_STEPS:-2000} \
         --checkpoint $dir/state.pt -o $dir/SmolLM2-135M-Instruct.json --name SmolLM2-135M-Instruct \
@@ -81,9 +85,11 @@ for stage in "$@"; do
       done ;;
     eval)  # needle eval through vLLM on SmolLM2 (issues 20, 31): 400 varied-needle prompts (1k-6k tokens) and 400
       # classic passkey prompts (1.5k-7k) x 7 methods, one engine per method and per grid row for streaming50 (16
-      # engines). EVAL_PATTERN: default the bundled pattern; EVAL_ARGS: more options (e.g. --methods ...). Results are
-      # written after each method, so a run stopped by the deadline keeps the methods it finished; exit code 3 = a
-      # full-attention method under 90% of a family's prompts (the eval cannot see a loss there).
+      # engines). EVAL_PATTERN: default the bundled pattern, or a file (e.g. an identify run's); EVAL_ARGS: more
+      # options (e.g. "--methods full duo25 duo50 --seed 0": duoXX serves sparsity XX%, with the mask trained for it
+      # when the file stores one, masks["0.XX"]). Results are written after each method, so a run stopped by the
+      # deadline keeps the methods it finished; exit code 3 = a full-attention method under 90% of a family's
+      # prompts (the eval cannot see a loss there).
       name=eval-${EVAL_NAME:-smollm2}
       timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli eval --model /tmp/smol --no-progress \
         --pattern ${EVAL_PATTERN:-SmolLM2-135M-Instruct} --out $WORK/$name ${EVAL_ARGS:-} 2>&1 \

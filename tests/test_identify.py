@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
+from vllm_duo.pattern import HeadPattern, PatternError, find_bundled, read_hf_config
 from vllm_duo.tools import cli, pattern_commands
 from vllm_duo.tools.accuracy import identify, training
 from vllm_duo.tools.accuracy.passkey import ORDINAL_NEEDLE, multi_passkey_prompt
@@ -228,3 +228,89 @@ def test_defaults_follow_the_paper_and_the_deployed_window(smollm2_dir, monkeypa
     assert "drawn uniformly from 50 evenly spaced values in [510, 1000]" in method
     with pytest.raises(PatternError, match="min context length"):
         dataclasses.replace(SETTINGS, min_context_len=300).check()
+
+
+@pytest.fixture
+def init_pattern(tmp_path):
+    """The bundled SmolLM2 pattern served with the tests' short window 8/32, so a 256-token prompt streams."""
+    bundled = HeadPattern.load(find_bundled("SmolLM2-135M-Instruct"))
+    path = tmp_path / "init.json"
+    bundled.model_copy(update={"sink": SETTINGS.sink, "recent": SETTINGS.recent}).save(path)
+    return path
+
+
+def test_a_target_sparsity_forwards_exactly_the_binarized_mask(smollm2_dir, init_pattern):
+    """--target-sparsity: the forward pass mixes with each gate's hard value at S (the served mask), and the gates
+    get the gradient of that mix (straight-through), as if the gates were the 0/1 mask."""
+    settings = dataclasses.replace(SETTINGS, target_sparsity=0.25, init_pattern=str(init_pattern))
+    trainer = training.GateTrainer(smollm2_dir, settings)
+    served = HeadPattern.load(init_pattern).retrieval_mask_at(0.25)
+    hard = trainer.hard_gates()
+    assert torch.equal(hard, torch.from_numpy(served).float()) and 0 < hard.sum() < hard.numel()
+    sample = trainer.sample(0)
+    ids = torch.tensor([sample.input_ids])
+
+    def hidden_and_gate_grads():
+        for gate in trainer.gates:
+            gate.grad = None
+        trainer.distill_loss(sample).backward()
+        with torch.no_grad():
+            hidden = trainer.model.base_model(input_ids=ids, use_cache=False, duo_mix=trainer.mixing)
+        return hidden.last_hidden_state, torch.stack([gate.grad for gate in trainer.gates])
+
+    trainer.mixing.hard_gates = hard
+    straight_through, straight_through_grads = hidden_and_gate_grads()
+    trainer.mixing.hard_gates = None
+    with torch.no_grad():
+        for gate, row in zip(trainer.gates, hard):
+            gate.copy_(row)
+    binary, binary_grads = hidden_and_gate_grads()
+    assert torch.equal(straight_through, binary) and torch.equal(straight_through_grads, binary_grads)
+    assert (straight_through_grads != 0).all()  # streaming heads' gates move too
+
+
+def test_a_fine_tune_adds_its_trained_mask_to_the_initial_pattern(smollm2_dir, init_pattern, tmp_path, capsys):
+    """identify --target-sparsity 0.25 --init-pattern P writes P with masks["0.25"] = the mask of the trained gates
+    (no L1 term); the pattern serves that mask at 0.25 and its gates' ranking at 0.5."""
+    settings = dataclasses.replace(SETTINGS, steps=2, target_sparsity=0.25, init_pattern=str(init_pattern))
+    result = training.train(smollm2_dir, settings, progress=False)
+    assert all(stats.reg == 0.0 for stats in result.history)
+    initial = HeadPattern.load(init_pattern)
+    assert not np.array_equal(result.gates, np.array(initial.gates))
+    pattern = identify.build_pattern(smollm2_dir, settings, result, date="2026-11-27")
+    trained = HeadPattern._binarize(result.gates, 0.25)
+    assert np.array_equal(np.array(pattern.masks["0.25"], dtype=bool), trained)
+    assert np.array_equal(pattern.retrieval_mask_at(0.25), trained)
+    assert np.array_equal(pattern.retrieval_mask_at(0.5), initial.retrieval_mask_at(0.5))
+    assert pattern.gates == initial.gates and pattern.sparsity == initial.sparsity
+    assert pattern.provenance.notes.startswith(initial.provenance.notes)
+    notes = pattern.provenance.notes
+    assert 'masks["0.25"]: trained by vllm-duo identify --target-sparsity 0.25 (2026-11-27)' in notes
+    assert "straight-through" in notes and "no L1 term" in notes
+
+    out = tmp_path / "p.json"
+    assert cli.main(["identify", "--model", smollm2_dir, "-o", str(out), "--steps", "2", "--context-len", "256",
+                     "--min-context-len", "256", "--passkeys", "2", "--seed", "0", "--device", "cpu",
+                     "--target-sparsity", "0.25",
+                     "--init-pattern", str(init_pattern)]) == 0
+    assert 'sparsity 0.25 (trained mask masks["0.25"])' in capsys.readouterr().out
+    written = HeadPattern.load(out)
+    assert written.model_dump(exclude={"provenance"}) == pattern.model_dump(exclude={"provenance"})
+
+
+def test_a_target_sparsity_from_scratch_stores_its_mask_and_bad_combinations_are_refused(smollm2_dir):
+    settings = dataclasses.replace(SETTINGS, target_sparsity=0.25)
+    gates = np.random.default_rng(0).uniform(size=(30, 3))
+    result = training.TrainResult(gates=gates, history=[training.StepStats(1, 1, 0, 0.02, 0.5)])
+    pattern = identify.build_pattern(smollm2_dir, settings, result)
+    assert pattern.sparsity == 0.25 and pattern.masks.keys() == {"0.25"}
+    assert np.array_equal(pattern.retrieval_mask_at(), HeadPattern._binarize(gates, 0.25))
+    assert "hard value at sparsity 0.25" in pattern.provenance.method
+
+    for change, named in [({"layer_gates": True}, "drop --layer-gates"), ({"target_sparsity": 1.0}, r"\(0, 1\)"),
+                          ({"target_sparsity": None, "init_pattern": "smollm2"}, "add --target-sparsity")]:
+        with pytest.raises(PatternError, match=named):
+            dataclasses.replace(settings, **change).check()
+    bundled = dataclasses.replace(settings, init_pattern="smollm2")  # served with sink 64, recent 512
+    with pytest.raises(PatternError, match=r"sink/recent 8/32 differ from the initial pattern's 64/512 \(bundled"):
+        training.initial_pattern(bundled, smollm2_dir)

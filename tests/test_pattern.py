@@ -15,7 +15,8 @@ from vllm_duo.pattern import (FIELD_VALUES, HeadPattern, ModelInfo, PatternError
                               find_bundled, ideal_kv_slots, pattern_from_reference_dir, read_hf_config,
                               resolve_pattern)
 from vllm_duo.tools.cli import main
-from vllm_duo.tools.pattern_commands import kv_footprint
+from vllm_duo.tools.pattern_commands import kv_footprint, with_trained_mask
+from vllm_duo.tools.zigzag import zigzag_pattern
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = REPO / "tests" / "fixtures" / "reference-patterns"  # the duo-attention reference folders, MIT
@@ -76,6 +77,8 @@ def set_gate(value):
 
 
 MISTRAL_REFERENCE = REFERENCE_DIR / "Mistral-7B-Instruct-v0.3"
+# A retrieval mask of small_pattern() at sparsity 0.25 (2 of its 8 heads streaming) other than its gates' ranking.
+TRAINED_AT_025 = [[1, 0, 1, 1], [0, 1, 1, 1]]
 
 # (id, file content: str as is, a dict to dump, or a Path loaded as is; check_model arguments or None; words the
 # message must hold: the field and what to change, `vllm-duo pattern convert` only for a file of the reference format)
@@ -118,6 +121,19 @@ BAD_INPUTS = [
      ["retrieval_mask[0][0]", "2", "0 or 1"]),
     ("mask_contradicts_sparsity", edited(lambda d: d.update(retrieval_mask=[[1, 1, 1, 1], [1, 1, 1, 0]])), None,
      ["sparsity", "0.5", "retrieval_mask", "remove it"]),
+    ("masks_key_not_a_sparsity", edited(lambda d: d.update(masks={"quarter": TRAINED_AT_025})), None,
+     ['masks key "quarter"', "sparsity in [0, 1]"]),
+    ("masks_value_2", edited(lambda d: d.update(masks={"0.25": [[2, 0, 1, 1], [0, 1, 1, 1]]})), None,
+     ['masks["0.25"][0][0] = 2', "0 or 1"]),
+    ("masks_value_string", edited(lambda d: d.update(masks={"0.25": [["1", 0, 1, 1], [0, 1, 1, 1]]})), None,
+     ['masks["0.25"][0][0]', "'1'", "`masks` must be an object from a sparsity"]),
+    ("masks_rows_vs_layers", edited(lambda d: d.update(masks={"0.25": TRAINED_AT_025[:1]})), None,
+     ['masks["0.25"]', "num_layers", "one row per layer"]),
+    ("masks_count_vs_key", edited(lambda d: d.update(masks={"0.5": TRAINED_AT_025})), None,
+     ['masks["0.5"] has 2 streaming heads but sparsity 0.5 selects 4 of 8']),
+    ("masks_answer_one_sparsity", edited(lambda d: d.update(masks={"0.25": TRAINED_AT_025,
+                                                                   "0.2": [[1, 1, 1, 1], [0, 0, 1, 1]]})), None,
+     ['masks["0.2"] and masks["0.25"] both have 2 streaming heads', "keep one"]),
     ("layers_vs_model", small_pattern(), ("LlamaForCausalLM", 30, 4, 64), ["2 layers", "30", "vllm-duo identify"]),
     ("kv_heads_vs_model", small_pattern(), ("LlamaForCausalLM", 2, 8, 64), ["4 KV heads", "8", "vllm-duo identify"]),
     ("reference_config", MISTRAL_REFERENCE / "config.json", None,
@@ -238,6 +254,34 @@ def test_round_trip_with_mask(tmp_path):
     original.save(tmp_path / "p.json")
     loaded = HeadPattern.load(tmp_path / "p.json")
     assert loaded.model_dump() == original.model_dump()
+
+
+def test_a_trained_mask_is_served_at_its_sparsity_and_the_gates_elsewhere(tmp_path, capsys):
+    """masks["0.25"] (identify --target-sparsity): any sparsity that selects its 2 of 8 streaming heads gets it, others
+    the gates' ranking; it survives a save and `pattern show` names it."""
+    data = small_pattern()
+    data["masks"] = {"0.25": TRAINED_AT_025}
+    pattern = HeadPattern.model_validate(data)
+    ranked = HeadPattern.model_validate(small_pattern())
+    for sparsity in (0.25, 0.2):  # ceil(0.2 x 7) = 2 as well
+        assert pattern.trained_mask_key(sparsity) == "0.25"
+        assert pattern.retrieval_mask_at(sparsity).astype(int).tolist() == TRAINED_AT_025
+    assert not np.array_equal(ranked.retrieval_mask_at(0.25), pattern.retrieval_mask_at(0.25))
+    assert pattern.trained_mask_key() is None and pattern.trained_mask_key(0.5) is None
+    assert np.array_equal(pattern.retrieval_mask_at(), ranked.retrieval_mask_at(0.5))
+    assert np.array_equal(pattern.retrieval_mask_at(0.75), ranked.retrieval_mask_at(0.75))
+
+    pattern.save(tmp_path / "p.json")
+    assert '"masks": {\n    "0.25": [\n      [1, 0, 1, 1],\n' in (tmp_path / "p.json").read_text()
+    assert HeadPattern.load(tmp_path / "p.json").model_dump() == pattern.model_dump()
+    assert main(["pattern", "show", str(tmp_path / "p.json"), "--sparsity", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert 'sparsity 0.25 (trained mask masks["0.25"]): 6 of 8 KV heads' in out
+    assert "masks      trained for sparsity 0.25; the gates' ranking at others" in out
+
+    assert zigzag_pattern(pattern, 0.5).masks is None  # head-level masks do not belong in a layer-exclusive one
+    replaced = with_trained_mask(pattern, 0.2, np.array(TRAINED_AT_025[::-1], dtype=bool), note="retrained")
+    assert replaced.masks == {"0.2": TRAINED_AT_025[::-1]} and replaced.provenance.notes == "retrained"
 
 
 def test_mask_only_pattern():
@@ -411,7 +455,7 @@ def test_cli_average_is_the_mean_of_the_gates(capsys, tmp_path):
         data["provenance"].update(method=f"DuoAttention gate optimization ... 500 steps, ... seed {seed}; float32",
                                   notes=f"final loss 0.{seed} " + "x" * 300)
         seeds.append(write_json(tmp_path / f"seed{seed}.json", data))
-    hand_made = write_json(tmp_path / "hand.json", small_pattern())
+    hand_made = write_json(tmp_path / "hand.json", edited(lambda d: d.update(masks={"0.25": TRAINED_AT_025})))
     out = tmp_path / "mean.json"
     assert main(["pattern", "average", *map(str, seeds), str(hand_made), "-o", str(out), "--name", "Mean"]) == 0
     assert capsys.readouterr().out.startswith(f"wrote {out}: mean of 4 patterns")
@@ -420,6 +464,7 @@ def test_cli_average_is_the_mean_of_the_gates(capsys, tmp_path):
     inputs = [HeadPattern.load(path).gates for path in [*seeds, hand_made]]
     assert np.allclose(averaged.gates, np.mean(inputs, axis=0), atol=1e-6)
     assert (averaged.model.name, averaged.sparsity, averaged.sink, averaged.recent) == ("Mean", 0.5, 4, 16)
+    assert averaged.masks is None  # an input's trained mask was chosen with its gates, not the mean
     assert averaged.provenance.method == ("mean of the gates of 4 identify runs: seed 1, 500 steps; seed 2, 500 steps; "
                                           "seed 3, 500 steps; hand.json. The runs' methods differ: see each input "
                                           "pattern's provenance.")

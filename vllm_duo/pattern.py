@@ -50,6 +50,7 @@ FIELD_VALUES = {
     "model.head_dim": "a positive integer (e.g. 128)",
     "gates": "a list of rows, one per layer, of one number in [0, 1] per KV head (or null with a retrieval_mask)",
     "retrieval_mask": "a list of rows, one per layer, of one 0 (streaming) or 1 (retrieval) per KV head (or null)",
+    "masks": 'an object from a sparsity (e.g. "0.25") to the retrieval mask trained for it, rows of 0 or 1 (or null)',
     "sparsity": "a number in [0, 1], the fraction of streaming heads (e.g. 0.5)",
     "sink": "a whole number of tokens, 0 or more (e.g. 64)",
     "recent": "a whole number of tokens, 0 or more (e.g. 256)",
@@ -97,15 +98,18 @@ class HeadPattern(_StrictModel):
 
     `gates[l][h]` is the learned gate of KV head h in layer l (higher = matters more for long-range retrieval);
     keeping the gates lets any sparsity be chosen at serve time. `retrieval_mask[l][h]` (1 = retrieval) fixes one
-    choice instead. `sparsity` is the default fraction of streaming heads; for a mask-only pattern it is implied by
-    the mask. Streaming heads keep the first `sink` and the last `recent` tokens. `layer_exclusive` is carried
-    for the serving backend and does not change binarization here.
+    choice instead. `masks["0.25"]` is a retrieval mask fine-tuned for sparsity 0.25 (`vllm-duo identify
+    --target-sparsity`): a gate ranking trained once is not the best mask at every sparsity. `sparsity` is the
+    default fraction of streaming heads; for a mask-only pattern it is implied by the mask. Streaming heads keep
+    the first `sink` and the last `recent` tokens. `layer_exclusive` is carried for the serving backend and does
+    not change binarization here.
     """
 
     schema_version: Literal[1]
     model: ModelInfo
     gates: list[list[float]] | None = None
     retrieval_mask: list[list[int]] | None = None
+    masks: dict[str, list[list[int]]] | None = None
     sparsity: float | None = Field(default=None, ge=0.0, le=1.0)
     sink: NonNegativeInt
     recent: NonNegativeInt
@@ -127,11 +131,22 @@ class HeadPattern(_StrictModel):
     @field_validator("retrieval_mask")
     @classmethod
     def _check_mask_values(cls, mask: list[list[int]] | None) -> list[list[int]] | None:
-        for layer, row in enumerate(mask or []):
-            for head, value in enumerate(row):
-                if value not in (0, 1):
-                    raise ValueError(f"retrieval_mask[{layer}][{head}] = {value} is not 0 or 1")
+        _check_zeros_and_ones("retrieval_mask", mask)
         return mask
+
+    @field_validator("masks")
+    @classmethod
+    def _check_masks_keys_and_values(cls, masks: dict[str, list[list[int]]] | None) -> dict | None:
+        for key, mask in (masks or {}).items():
+            try:
+                sparsity = float(key)
+            except ValueError:
+                sparsity = math.nan
+            if not 0.0 <= sparsity <= 1.0:  # also rejects NaN
+                raise ValueError(f'masks key "{key}" is not a sparsity: key each mask by its sparsity in [0, 1], '
+                                 'e.g. "0.25"')
+            _check_zeros_and_ones(f'masks["{key}"]', mask)
+        return masks
 
     @model_validator(mode="after")
     def _check_consistency(self) -> HeadPattern:
@@ -139,6 +154,7 @@ class HeadPattern(_StrictModel):
             raise ValueError("neither `gates` nor `retrieval_mask` is given; a pattern needs at least one")
         for field in ("gates", "retrieval_mask"):
             self._check_matrix_shape(field, getattr(self, field))
+        self._check_masks()
         if self.sink == 0 and self.recent == 0:
             raise ValueError("`sink` and `recent` are both 0, so streaming heads would see no tokens: set either "
                              "above 0 (e.g. sink 64, recent 256)")
@@ -151,6 +167,22 @@ class HeadPattern(_StrictModel):
                 f"`sparsity` {self.sparsity} contradicts retrieval_mask (sparsity {self._mask_sparsity():.4f}): set "
                 "`sparsity` to the mask's or remove it")
         return self
+
+    def _check_masks(self) -> None:
+        """Each stored mask has its key's number of streaming heads, and no two masks answer one sparsity."""
+        answered = {}
+        if self.retrieval_mask is not None:
+            answered[self._num_streaming_in(self.retrieval_mask)] = "retrieval_mask"
+        for key, mask in (self.masks or {}).items():
+            field = f'masks["{key}"]'
+            self._check_matrix_shape(field, mask)
+            streaming, selected = self._num_streaming_in(mask), self._num_streaming(self.num_heads, float(key))
+            if streaming != selected:
+                raise ValueError(f"{field} has {streaming} streaming heads but sparsity {key} selects {selected} of "
+                                 f"{self.num_heads}: key the mask by its own sparsity or fix it")
+            if streaming in answered:
+                raise ValueError(f"{field} and {answered[streaming]} both have {streaming} streaming heads: keep one")
+            answered[streaming] = field
 
     def _check_matrix_shape(self, field: str, matrix: list[list] | None) -> None:
         if matrix is None:
@@ -210,8 +242,10 @@ class HeadPattern(_StrictModel):
         members = []
         for key, value in self.model_dump(mode="json", exclude_none=True).items():
             if key in ("gates", "retrieval_mask"):
-                rows = ",\n".join(f"    {json.dumps(row)}" for row in value)
-                members.append(f'  "{key}": [\n{rows}\n  ]')
+                members.append(f'  "{key}": {_rows_json(value, "  ")}')
+            elif key == "masks":
+                masks = ",\n".join(f'    "{sparsity}": {_rows_json(mask, "    ")}' for sparsity, mask in value.items())
+                members.append(f'  "{key}": {{\n{masks}\n  }}')
             else:
                 members.append(f'  "{key}": ' + json.dumps(value, indent=2).replace("\n", "\n  "))
         Path(path).write_text("{\n" + ",\n".join(members) + "\n}\n", encoding="utf-8")
@@ -222,18 +256,31 @@ class HeadPattern(_StrictModel):
         Follows the reference binarization (duo_attn/utils.py sparsify_attention_heads): one global quantile
         threshold, so N - ceil(s * (N - 1)) of the N heads are retrieval, taken in decreasing gate order; s = 1
         gives none, s = 0 all. The reference breaks ties with random noise; here ties go to the lower layer, then
-        the lower head, so the same call always gives the same mask. A stored mask is returned as is, and it is an
-        error to ask a mask-only pattern for another sparsity.
+        the lower head, so the same call always gives the same mask. A stored mask is returned as is: the
+        retrieval_mask, or the mask of `masks` trained for this sparsity (trained_mask_key); it is an error to ask a
+        mask-only pattern for another sparsity.
         """
         if sparsity is not None and not 0.0 <= sparsity <= 1.0:  # also rejects NaN
             raise PatternError(f"sparsity {sparsity} is outside [0, 1]: pass the fraction of streaming heads, e.g. 0.5")
         if self.retrieval_mask is not None and (sparsity is None or self._sparsity_matches_mask(sparsity)):
             return np.array(self.retrieval_mask, dtype=bool)
+        trained = self.trained_mask_key(sparsity)
+        if trained is not None:
+            return np.array(self.masks[trained], dtype=bool)
         if self.gates is None:
             raise PatternError(
                 f"{self.label} stores only a retrieval mask (sparsity {self._mask_sparsity():.4f}), not gates, so "
                 f"sparsity {sparsity} cannot be chosen: leave sparsity unset or use a pattern with gates")
         return self._binarize(np.array(self.gates), self.sparsity if sparsity is None else sparsity)
+
+    def trained_mask_key(self, sparsity: float | None = None) -> str | None:
+        """The key of the stored mask of `masks` that `sparsity` (default: the pattern's) selects: the one with as
+        many streaming heads as the gates would give; None when there is none."""
+        sparsity = self.sparsity if sparsity is None else sparsity
+        if sparsity is None:
+            return None
+        wanted = self._num_streaming(self.num_heads, sparsity)
+        return next((key for key, mask in (self.masks or {}).items() if self._num_streaming_in(mask) == wanted), None)
 
     def retrieval_counts(self, sparsity: float | None = None) -> list[int]:
         """Number of retrieval KV heads in each layer; what the KV cache layout of each layer depends on."""
@@ -260,18 +307,40 @@ class HeadPattern(_StrictModel):
 
     def _sparsity_matches_mask(self, sparsity: float) -> bool:
         """True when `sparsity` selects the mask's number of streaming heads (so 0.33 matches 1 of 3)."""
-        return abs(sparsity - self._mask_sparsity()) <= 0.5 / self.num_heads
+        return self._num_streaming(self.num_heads, sparsity) == self._num_streaming_in(self.retrieval_mask)
+
+    @staticmethod
+    def _num_streaming_in(mask: list[list[int]]) -> int:
+        return sum(row.count(0) for row in mask)
+
+    @staticmethod
+    def _num_streaming(num_heads: int, sparsity: float) -> int:
+        """Streaming heads of N at `sparsity` by the reference rule: ceil(s * (N - 1)), all N at s = 1."""
+        return math.ceil(sparsity * (num_heads - 1) - _CEIL_EPSILON) if sparsity < 1.0 else num_heads
 
     @staticmethod
     def _binarize(gates: np.ndarray, sparsity: float) -> np.ndarray:
         num_heads = gates.size
-        num_streaming = math.ceil(sparsity * (num_heads - 1) - _CEIL_EPSILON) if sparsity < 1.0 else num_heads
+        num_streaming = HeadPattern._num_streaming(num_heads, sparsity)
         flat = gates.ravel()
         # lexsort's last key is the primary one: gates descending, then flat index (layer-major) ascending.
         by_importance = np.lexsort((np.arange(num_heads), -flat))
         mask = np.zeros(num_heads, dtype=bool)
         mask[by_importance[: num_heads - num_streaming]] = True
         return mask.reshape(gates.shape)
+
+
+def _check_zeros_and_ones(field: str, mask: list[list[int]] | None) -> None:
+    for layer, row in enumerate(mask or []):
+        for head, value in enumerate(row):
+            if value not in (0, 1):
+                raise ValueError(f"{field}[{layer}][{head}] = {value} is not 0 or 1")
+
+
+def _rows_json(matrix: list[list], indent: str) -> str:
+    """A JSON matrix with one row per line, indented under its key."""
+    rows = ",\n".join(f"{indent}  {json.dumps(row)}" for row in matrix)
+    return f"[\n{rows}\n{indent}]"
 
 
 def ideal_kv_slots(context_len: int, num_retrieval: int, num_streaming: int, sink: int, recent: int) -> int:
@@ -470,8 +539,11 @@ def _first_problem(error: ValidationError) -> str:
     """pydantic's first error in one line, without its multi-line report: the field, the problem, and what the field
     holds (FIELD_VALUES); the messages of our own validators say that themselves."""
     first = error.errors(include_url=False)[0]
-    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
-    field = ".".join(part for part in first["loc"] if isinstance(part, str))
+    loc = first["loc"]
+    # the keys of `masks` are sparsities, not fields: masks["0.25"][0][1] is under "masks"
+    where = "".join(f"[{part}]" if isinstance(part, int) else f'["{part}"]' if loc[:index] == ("masks",)
+                    else f".{part}" for index, part in enumerate(loc)).lstrip(".")
+    field = "masks" if loc[:1] == ("masks",) else ".".join(part for part in loc if isinstance(part, str))
     kind = first["type"]
     value = repr(first["input"])
     value = value if len(value) <= 40 else value[:37] + "..."

@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from vllm_duo.kernels import fp8
-from vllm_duo.pattern import PatternError
+from vllm_duo.pattern import PatternError, resolve_pattern
 from vllm_duo.tools import cache_sim, pattern_commands, zigzag
 from vllm_duo.tools.accuracy.eval_report import WeakReference
 from vllm_duo.tools.bench.command import command as run_bench
@@ -192,6 +192,8 @@ def _add_identify_command(commands: _Subparsers) -> None:
         description="Train one gate per layer and KV head (the model frozen) so that alpha * full + (1 - alpha) * "
                     "streaming attention keeps the final hidden states of the full model on synthetic multi-passkey "
                     "prompts, with an L1 pull of the gates toward 0; write the trained gates as a pattern JSON. "
+                    "With --target-sparsity S, train the mask served at S instead (straight-through hard gates, no "
+                    "L1) and store it in the pattern as masks[S], which serving at S then uses. "
                     "Uses every visible GPU (data parallel, torch.distributed); also runs under torchrun.")
     parser.add_argument("--model", required=True, metavar="MODEL_DIR", help="Hugging Face model folder")
     parser.add_argument("-o", "--output", required=True, metavar="OUT.json")
@@ -205,9 +207,11 @@ def _add_identify_command(commands: _Subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="samples per step and process (default 1)")
     parser.add_argument("--lr", type=float, default=0.02, help="peak AdamW learning rate (default 0.02)")
     parser.add_argument("--reg-weight", type=float, default=0.05, help="weight of the L1 gate term (default 0.05)")
-    parser.add_argument("--sink", type=int, default=64,
-                        help="sink tokens of the training Λ mask (default 64, the deployed sink)")
-    parser.add_argument("--recent", type=int, default=256, help="recent tokens of the training Λ mask (default 256)")
+    parser.add_argument("--sink", type=int,
+                        help="sink tokens of the training Λ mask (default: --init-pattern's, else 64, the deployed "
+                             "sink)")
+    parser.add_argument("--recent", type=int,
+                        help="recent tokens of the training Λ mask (default: --init-pattern's, else 256)")
     parser.add_argument("--passkeys", type=int, default=10, help="passkeys per prompt (default 10)")
     parser.add_argument("--repeated-haystack", type=float, default=0.0, dest="repeated", metavar="SHARE",
                         help="share of prompts whose haystack is one short paragraph repeated, as in the classic "
@@ -220,6 +224,14 @@ def _add_identify_command(commands: _Subparsers) -> None:
     parser.add_argument("--layer-gates", action="store_true",
                         help="train one gate per layer (ZigzagAttention); make the layer-exclusive pattern from it "
                              "with `vllm-duo pattern zigzag`")
+    parser.add_argument("--target-sparsity", type=float, metavar="S",
+                        help="train the mask served at sparsity S: in the forward pass each gate is its hard value "
+                             "at S (1 for the heads the binarization keeps, else 0) with a straight-through "
+                             "gradient, no L1 term; the pattern stores the trained mask as masks[S]")
+    parser.add_argument("--init-pattern", metavar="PATTERN",
+                        help="with --target-sparsity: start from this pattern's gates (a file or bundled name) and "
+                             "write it with masks[S] added and the run in its notes (its gates, names, sparsity, "
+                             "sink/recent and license kept)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="continue from this training-state file when it exists; save to it every "
@@ -229,7 +241,8 @@ def _add_identify_command(commands: _Subparsers) -> None:
                              "pattern yet: for machines that limit a command's time (run again to continue)")
     parser.add_argument("--processes", type=int,
                         help="data-parallel processes to spawn (default: the visible GPUs on CUDA, 1 on CPU)")
-    parser.add_argument("--sparsity", type=float, default=0.5, help="the pattern's default sparsity (0.5)")
+    parser.add_argument("--sparsity", type=float,
+                        help="the pattern's default sparsity (default: --target-sparsity, else 0.5)")
     parser.add_argument("--deploy-sink", type=int, help="the pattern's serving sink (default: --sink)")
     parser.add_argument("--deploy-recent", type=int, help="the pattern's serving recent (default: --recent)")
     _add_pattern_file_args(parser)
@@ -240,12 +253,17 @@ def _identify(args: argparse.Namespace) -> str:
     from vllm_duo.tools.accuracy import identify, training  # imported here: torch and transformers load slowly
 
     context_len = args.context_len or identify.default_context_len(args.model, args.device)
+    # a fine-tuned mask is trained for the window its pattern serves
+    window = resolve_pattern(args.init_pattern)[0] if args.init_pattern else training.IdentifySettings()
     settings = training.IdentifySettings(
         steps=args.steps, context_len=context_len,
         min_context_len=args.min_context_len or identify.default_min_context_len(context_len, args.device),
-        batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=args.sink, recent=args.recent,
+        batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight,
+        sink=window.sink if args.sink is None else args.sink,
+        recent=window.recent if args.recent is None else args.recent,
         passkeys=args.passkeys, repeated=args.repeated, seed=args.seed, dtype=args.dtype,
-        grad_checkpoint=args.grad_checkpoint, layer_gates=args.layer_gates, device=args.device)
+        grad_checkpoint=args.grad_checkpoint, layer_gates=args.layer_gates, target_sparsity=args.target_sparsity,
+        init_pattern=args.init_pattern, device=args.device)
     return identify.identify(
         args.model, args.output, settings, processes=args.processes, checkpoint=args.checkpoint,
         time_limit=args.time_limit, name=args.name, aliases=args.aliases,

@@ -43,6 +43,20 @@ def pattern_from_gates(gates: np.ndarray, model_dir: str | Path, *, name: str | 
     })
 
 
+def with_trained_mask(pattern: HeadPattern, sparsity: float, mask: np.ndarray,
+                      note: str | None = None) -> HeadPattern:
+    """`pattern` with `mask` (bool [layers, KV heads], True = retrieval) stored as the mask trained for `sparsity`,
+    in place of a stored one for the same number of streaming heads; `note` is appended to the provenance notes."""
+    data = pattern.model_dump()
+    replaced = pattern.trained_mask_key(sparsity)
+    kept = {key: stored for key, stored in (pattern.masks or {}).items() if key != replaced}
+    data["masks"] = {**kept, str(sparsity): mask.astype(int).tolist()}
+    if note is not None:
+        old = pattern.provenance.notes
+        data["provenance"] = {**data["provenance"], "notes": f"{old} {note}" if old else note}
+    return HeadPattern.model_validate(data)
+
+
 def convert(reference_dir: str, out: str, **reference_options) -> str:
     """Imports a duo-attention reference folder and writes it as a pattern JSON; returns a one-line summary.
 
@@ -64,6 +78,9 @@ def show(spec: str, sparsity: float | None = None, context_len: int = 32768, hea
     footprint = kv_footprint(pattern, context_len, sparsity)
     requested = sparsity if sparsity is not None else pattern.sparsity
     chosen = f"sparsity {requested:g}" if requested is not None else "stored mask"
+    trained = pattern.trained_mask_key(sparsity)
+    if trained is not None:
+        chosen += f' (trained mask masks["{trained}"])'
     lines = [
         f"pattern    {pattern.model.name} ({source})",
         f"model      {pattern.model.architecture}, {_shape_summary(pattern)}",
@@ -71,8 +88,10 @@ def show(spec: str, sparsity: float | None = None, context_len: int = 32768, hea
         f"heads      {chosen}: {num_retrieval} of {pattern.num_heads} KV heads are retrieval "
         f"(retrieval ratio {num_retrieval / pattern.num_heads:.3f}), {pattern.num_heads - num_retrieval} streaming",
         f"streaming  sink {pattern.sink} + recent {pattern.recent} tokens",
-        f"retrieval heads per layer (of {pattern.model.num_kv_heads}):",
     ]
+    if pattern.masks:
+        lines.append(f"masks      trained for sparsity {', '.join(pattern.masks)}; the gates' ranking at others")
+    lines.append(f"retrieval heads per layer (of {pattern.model.num_kv_heads}):")
     for start in range(0, len(counts), _LAYERS_PER_TABLE_ROW):
         layers = range(start, min(start + _LAYERS_PER_TABLE_ROW, len(counts)))
         lines.append("  layer " + "".join(f"{layer:4d}" for layer in layers))
@@ -135,7 +154,8 @@ def average(specs: list[str], out: str, name: str | None = None) -> str:
     notes = " | ".join(f"{Path(source).name}: {textwrap.shorten(pattern.provenance.notes, _NOTE_CHARS)}"
                        for pattern, source in loaded if pattern.provenance.notes)
     data = first.model_dump()
-    data.update(gates=np.round(gates, 6).tolist(), retrieval_mask=None, layer_exclusive=False,
+    # an input's trained masks were chosen with its own gates, not the mean
+    data.update(gates=np.round(gates, 6).tolist(), retrieval_mask=None, masks=None, layer_exclusive=False,
                 model={**data["model"], "name": name or first.model.name},
                 provenance={"source": first.provenance.source,
                             "method": f"mean of the gates of {len(loaded)} identify runs: {runs}. "

@@ -93,6 +93,7 @@ def zigzag_pattern(pattern: HeadPattern, sparsity: float, omega: float = DEFAULT
     data = pattern.model_dump()
     data.update(
         retrieval_mask=mask.astype(int).tolist(),
+        masks=None,  # head-level masks trained for the source: not layer-exclusive
         sparsity=num_streaming / num_layers,
         layer_exclusive=True,
         provenance={

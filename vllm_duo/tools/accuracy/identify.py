@@ -2,6 +2,7 @@
 """`vllm-duo identify`: trains the gates (training.py) in one or several processes and writes them as a pattern."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Sequence
@@ -12,8 +13,8 @@ import torch
 
 from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config
 from vllm_duo.tools.accuracy.training import (LENGTH_INTERVALS, REPEATED_PERIOD, IdentifySettings, TrainResult,
-                                              checkpoint_steps, train)
-from vllm_duo.tools.pattern_commands import pattern_from_gates, show
+                                              checkpoint_steps, initial_pattern, train)
+from vllm_duo.tools.pattern_commands import pattern_from_gates, show, with_trained_mask
 from vllm_duo.tools.processes import free_port
 
 SOURCE = "vllm-duo identify"
@@ -45,25 +46,33 @@ _GATE_KINDS = {False: "one gate alpha per layer and KV head",
 
 
 def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: TrainResult, *, name: str | None = None,
-                  aliases: Sequence[str] = (), sparsity: float = 0.5, deploy_sink: int | None = None,
+                  aliases: Sequence[str] = (), sparsity: float | None = None, deploy_sink: int | None = None,
                   deploy_recent: int | None = None, date: str | None = None,
                   license: str | None = None) -> HeadPattern:
     """A HeadPattern with the trained gates and a provenance that names every hyperparameter.
 
     It is deployed with the training sink/recent unless deploy_sink/deploy_recent say otherwise: the gates rank
-    heads for the window they were trained with.
+    heads for the window they were trained with. With a target sparsity S the pattern also stores the trained mask
+    as masks[S] (default sparsity: S); with an initial pattern it is that pattern, masks[S] added and the run
+    described in its notes (its gates, names, sparsity and window kept, the options here unused).
     """
     deploy_sink = settings.sink if deploy_sink is None else deploy_sink
     deploy_recent = settings.recent if deploy_recent is None else deploy_recent
+    target = settings.target_sparsity
     length = (f"{settings.context_len}" if settings.min_context_len in (None, settings.context_len)
               else f"drawn uniformly from {LENGTH_INTERVALS} evenly spaced values in [{settings.min_context_len}, "
                    f"{settings.context_len}]")
+    init = "init 1" if settings.init_pattern is None else f"init the gates of pattern {settings.init_pattern}"
+    loss = (f" + reg_weight {settings.reg_weight} x mean |alpha|" if target is None else
+            f" only; in the forward pass each alpha is its hard value at sparsity {target:g} (1 for the gates the "
+            "pattern's binarization keeps as retrieval, else 0) with a straight-through gradient to the soft gate, "
+            "and no L1 term: the sparsity fixes the number of streaming heads")
     method = (
-        f"DuoAttention gate optimization: {_GATE_KINDS[settings.layer_gates]} (init 1, broadcast over its GQA "
+        f"DuoAttention gate optimization: {_GATE_KINDS[settings.layer_gates]} ({init}, broadcast over its GQA "
         "group), head output = alpha * causal attention + (1 - alpha) * streaming attention (Λ mask: sink "
         f"{settings.sink}, recent {settings.recent}); model frozen. Loss: mean over question/answer tokens of the "
         "squared distance (mean over the hidden size) between the final hidden states of the gated and the "
-        f"full-attention model (distill) + reg_weight {settings.reg_weight} x mean |alpha|. AdamW lr {settings.lr}, "
+        f"full-attention model (distill){loss}. AdamW lr {settings.lr}, "
         "weight decay 0, reference trapezoid schedule (linear warmup over the first 20% of steps, linear decay over "
         f"the last 20%, both floored at 0.1x), gates clamped to [0, 1] after every step; {settings.steps} steps, "
         f"{settings.batch_size} sample(s) per step and process x {result.world_size} process(es); data: "
@@ -75,14 +84,26 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
         + (", gradient checkpointing" if settings.grad_checkpoint else ""))
     final = result.history[-1]
     last = result.history[-max(1, len(result.history) // 10):]
-    notes = (f"final loss {final.loss:.6f} (distill {final.distill:.6f}, reg {final.reg:.6f}); mean loss of the last "
-             f"{len(last)} steps {np.mean([s.loss for s in last]):.6f}; first-step loss "
-             f"{result.history[0].loss:.6f}; {len(result.history)} steps in {result.wall_s:.1f} s wall; mean gate "
-             f"{result.gates.mean():.4f}. Trained with sink/recent {settings.sink}/{settings.recent}, deployed with "
+    figures = (f"final loss {final.loss:.6f} (distill {final.distill:.6f}, reg {final.reg:.6f}); mean loss of the "
+               f"last {len(last)} steps {np.mean([s.loss for s in last]):.6f}; first-step loss "
+               f"{result.history[0].loss:.6f}; {len(result.history)} steps in {result.wall_s:.1f} s wall; mean gate "
+               f"{result.gates.mean():.4f}.")
+    trained = None if target is None else HeadPattern._binarize(result.gates, target)
+    if settings.init_pattern is not None:
+        start = initial_pattern(settings, model_dir)
+        changed = int((trained != HeadPattern._binarize(np.array(start.gates), target)).sum())
+        note = (f'masks["{target}"]: trained by {SOURCE} --target-sparsity {target} '
+                f"({date or datetime.date.today().isoformat()}): {method}. {figures} {changed} of {trained.size} heads "
+                f"differ from the mask of the gates' ranking at {target}.")
+        return with_trained_mask(start, target, trained, note)
+    notes = (f"{figures} Trained with sink/recent {settings.sink}/{settings.recent}, deployed with "
              f"{deploy_sink}/{deploy_recent} (the paper trains 128/256 and deploys 64/256).")
-    return pattern_from_gates(result.gates, model_dir, name=name, aliases=aliases, sparsity=sparsity,
-                              sink=deploy_sink, recent=deploy_recent, source=SOURCE, method=method, notes=notes,
-                              date=date, license=license)
+    if sparsity is None:
+        sparsity = 0.5 if target is None else target
+    pattern = pattern_from_gates(result.gates, model_dir, name=name, aliases=aliases, sparsity=sparsity,
+                                 sink=deploy_sink, recent=deploy_recent, source=SOURCE, method=method, notes=notes,
+                                 date=date, license=license)
+    return pattern if trained is None else with_trained_mask(pattern, target, trained)
 
 
 def _worker(rank: int, world_size: int, model_dir: str, settings: IdentifySettings, out: str, run: dict,
@@ -136,6 +157,8 @@ def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings,
                            "training would be lost")
     run = {"checkpoint": None if checkpoint is None else str(checkpoint), "time_limit": time_limit}
     read_hf_config(model_dir)  # a wrong folder fails here, not in every spawned process
+    if settings.init_pattern is not None:
+        initial_pattern(settings, model_dir)  # so does a wrong initial pattern
     cuda = _on_cuda(settings.device)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _run_distributed(model_dir, settings, out, run, options)
@@ -154,4 +177,5 @@ def identify(model_dir: str | Path, out: str | Path, settings: IdentifySettings,
     if checkpoint is not None and (done := checkpoint_steps(checkpoint)) < settings.steps:
         return (f"stopped at step {done} of {settings.steps} (time limit); state saved in {checkpoint}: run the "
                 "same command again to continue")
-    return f"wrote {out}\n{show(out)}\ntraining   {HeadPattern.load(out).provenance.notes}"
+    return (f"wrote {out}\n{show(out, settings.target_sparsity)}\ntraining   "
+            f"{HeadPattern.load(out).provenance.notes}")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-from vllm_duo.pattern import PatternError
+from vllm_duo.pattern import HeadPattern, PatternError, read_hf_config, resolve_pattern
 from vllm_duo.tools.accuracy.passkey import ORDINALS, PasskeySample, multi_passkey_prompt
 
 SAVE_EVERY = 50  # steps between checkpoint writes, when a checkpoint path is given
@@ -59,6 +59,9 @@ class IdentifySettings:
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     grad_checkpoint: bool = False
     layer_gates: bool = False  # one gate per layer shared by its KV heads (ZigzagAttention's layer-wise alphas)
+    # Train the mask served at this sparsity: each gate's hard value there in the forward pass, no L1 term.
+    target_sparsity: float | None = None
+    init_pattern: str | None = None  # start from this pattern's gates (a file or bundled name), not from 1
     device: str | None = None  # None: cuda when available, else cpu
 
     def check(self) -> None:
@@ -78,6 +81,13 @@ class IdentifySettings:
             problems.append("lr must be positive and reg weight non-negative")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             problems.append(f"dtype {self.dtype} is not float32, bfloat16 or float16")
+        if self.target_sparsity is not None and not 0.0 < self.target_sparsity < 1.0:  # also rejects NaN
+            problems.append(f"target sparsity {self.target_sparsity} must be in (0, 1), e.g. 0.25")
+        if self.target_sparsity is not None and self.layer_gates:
+            problems.append("a target sparsity trains a mask of single KV heads, layer gates one gate per layer: drop "
+                            "--layer-gates (for a layer-exclusive pattern run `vllm-duo pattern zigzag` on the result)")
+        if self.init_pattern is not None and self.target_sparsity is None:
+            problems.append("an initial pattern is fine-tuned for a target sparsity: add --target-sparsity")
         if problems:
             raise PatternError("; ".join(problems))
 
@@ -97,6 +107,16 @@ class _Mixing:
         self.sink, self.recent = sink, recent
         self.block = _round_up(recent, 16)
         self._layouts: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hard_gates: torch.Tensor | None = None  # [layers, KV heads] 0/1 with a target sparsity
+
+    def gate(self, module) -> torch.Tensor:
+        """The gate of `module`'s mix: its trained gate, or with hard_gates set its hard value with a straight-through
+        gradient, so the loss is the deployed mask's and the gradient still reaches the soft gate."""
+        soft = module.duo_gate
+        if self.hard_gates is None:
+            return soft
+        # (soft - soft.detach()) is exactly 0, so the forward value is exactly the hard gate
+        return self.hard_gates[module.layer_idx] + (soft - soft.detach())
 
     def layout(self, length: int, device: torch.device,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +183,7 @@ def gated_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
     if duo_mix is not None:
         streaming = duo_mix.streaming(query, key, value, scaling)
-        gate = module.duo_gate.to(query.dtype).expand(num_heads // groups).repeat_interleave(groups)
+        gate = duo_mix.gate(module).to(query.dtype).expand(num_heads // groups).repeat_interleave(groups)
         gate = gate.view(1, num_heads, 1, 1)
         full = streaming + gate * (full - streaming)
     return full.transpose(1, 2).contiguous(), None
@@ -232,11 +252,14 @@ class GateTrainer:
                                f"0..{self.num_layers - 1}: this architecture is not supported by identify")
         self.gates: list[torch.nn.Parameter] = []
         gates_per_layer = 1 if settings.layer_gates else self.num_kv_heads
+        initial = (np.ones((self.num_layers, gates_per_layer)) if settings.init_pattern is None
+                   else initial_pattern(settings, model_dir).gates)
         for layer in range(self.num_layers):
-            gate = torch.nn.Parameter(torch.ones(gates_per_layer, device=self.device, dtype=torch.float32))
+            gate = torch.nn.Parameter(torch.tensor(initial[layer], device=self.device, dtype=torch.float32))
             attention[layer].duo_gate = gate  # a registered Parameter of the module, float32 whatever the model dtype
             self.gates.append(gate)
-        # weight_decay 0 as in the reference: the L1 term is the only pull on the gates.
+        # weight_decay 0 as in the reference: the L1 term is the only pull on the gates (none with a target sparsity,
+        # where only their ranking matters).
         self.optimizer = torch.optim.AdamW(self.gates, lr=settings.lr, weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: lr_factor(step, settings.steps))
@@ -265,17 +288,22 @@ class GateTrainer:
         """One AdamW step on batch_size samples per process; gate gradients averaged over processes, then clamped."""
         settings = self.settings
         self.optimizer.zero_grad(set_to_none=True)
+        self.mixing.hard_gates = self.hard_gates()
         distill = 0.0
         for i in range(settings.batch_size):
             sample = self.sample((step * self.world_size + self.rank) * settings.batch_size + i)
             loss = self.distill_loss(sample) / settings.batch_size
             loss.backward()  # one sample at a time: the activations of one long prompt are what memory holds
             distill += loss.item()
-        # L1 of the gates as their mean, so lambda means the same for any head count (the paper writes a sum; the
-        # reference's loss.py was not available to check). Added on every process: the average below keeps it once.
-        reg = settings.reg_weight * torch.cat(list(self.gates)).abs().mean()
-        reg.backward()
-        stats = torch.tensor([distill, reg.item()], dtype=torch.float64, device=self.device)
+        reg_value = 0.0  # with a target sparsity: no L1 term, the sparsity fixes the number of streaming heads
+        if settings.target_sparsity is None:
+            # L1 of the gates as their mean, so lambda means the same for any head count (the paper writes a sum;
+            # the reference's loss.py was not available to check). Added on every process: the average below keeps
+            # it once.
+            reg = settings.reg_weight * torch.cat(list(self.gates)).abs().mean()
+            reg.backward()
+            reg_value = reg.item()
+        stats = torch.tensor([distill, reg_value], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -295,6 +323,14 @@ class GateTrainer:
         distill, reg_value = stats.tolist()
         return StepStats(loss=distill + reg_value, distill=distill, reg=reg_value, lr=lr,
                          mean_gate=float(torch.cat([g.detach() for g in self.gates]).mean()))
+
+    def hard_gates(self) -> torch.Tensor | None:
+        """[layers, KV heads] 1 (retrieval) / 0 (streaming) of the mask the current gates give at the target sparsity,
+        binarized as served (HeadPattern._binarize); None without a target sparsity."""
+        if self.settings.target_sparsity is None:
+            return None
+        mask = HeadPattern._binarize(self.gate_matrix(), self.settings.target_sparsity)
+        return torch.from_numpy(mask).to(self.device, torch.float32)
 
     def gate_matrix(self) -> np.ndarray:
         """Float64 [num_layers, num_kv_heads] copy of the gates (a layer gate repeated over its KV heads)."""
@@ -332,6 +368,21 @@ class GateTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         return state["steps_done"], [StepStats(**stats) for stats in state["history"]], state["wall_s"]
+
+
+def initial_pattern(settings: IdentifySettings, model_dir: str | Path) -> HeadPattern:
+    """The pattern a fine-tune starts from (found as a served one is: file, bundled name, reference folder), checked
+    to have gates for this model and the training window: its mask is trained for the window it is served with."""
+    pattern, source = resolve_pattern(settings.init_pattern)
+    pattern.check_model(*read_hf_config(model_dir), model_name=str(model_dir))
+    if pattern.gates is None or pattern.retrieval_mask is not None:
+        raise PatternError(f"the initial pattern ({source}) has no gates or fixes a retrieval_mask: start from a "
+                           "pattern with gates and no retrieval_mask (e.g. the one a zigzag pattern was made from)")
+    if (settings.sink, settings.recent) != (pattern.sink, pattern.recent):
+        raise PatternError(f"sink/recent {settings.sink}/{settings.recent} differ from the initial pattern's "
+                           f"{pattern.sink}/{pattern.recent} ({source}): a mask is trained for the window it is served "
+                           "with; leave --sink and --recent unset to take the pattern's")
+    return pattern
 
 
 def _resumable(settings: IdentifySettings) -> dict:
