@@ -215,6 +215,7 @@ def test_defaults_follow_the_paper_and_the_deployed_window(smollm2_dir, monkeypa
     defaults = training.IdentifySettings()
     assert (defaults.sink, defaults.recent, defaults.steps) == (64, 256, 2000)
     assert identify.default_min_context_len(32000, "cuda") == 1000
+    assert identify.default_min_context_len(32000, "cuda", sink=64, recent=512) == 1256  # room for the passkeys
     assert identify.default_min_context_len(2048, "cpu") == 1024
     assert identify.default_context_len(smollm2_dir, "cpu") == 2048
     settings = dataclasses.replace(SETTINGS, context_len=1000, min_context_len=510)

@@ -255,12 +255,12 @@ def _identify(args: argparse.Namespace) -> str:
     context_len = args.context_len or identify.default_context_len(args.model, args.device)
     # a fine-tuned mask is trained for the window its pattern serves
     window = resolve_pattern(args.init_pattern)[0] if args.init_pattern else training.IdentifySettings()
+    sink = window.sink if args.sink is None else args.sink
+    recent = window.recent if args.recent is None else args.recent
     settings = training.IdentifySettings(
-        steps=args.steps, context_len=context_len,
-        min_context_len=args.min_context_len or identify.default_min_context_len(context_len, args.device),
-        batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight,
-        sink=window.sink if args.sink is None else args.sink,
-        recent=window.recent if args.recent is None else args.recent,
+        steps=args.steps, context_len=context_len, min_context_len=args.min_context_len
+        or identify.default_min_context_len(context_len, args.device, sink, recent),
+        batch_size=args.batch_size, lr=args.lr, reg_weight=args.reg_weight, sink=sink, recent=recent,
         passkeys=args.passkeys, repeated=args.repeated, seed=args.seed, dtype=args.dtype,
         grad_checkpoint=args.grad_checkpoint, layer_gates=args.layer_gates, target_sparsity=args.target_sparsity,
         init_pattern=args.init_pattern, device=args.device)

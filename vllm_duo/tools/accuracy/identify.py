@@ -19,6 +19,7 @@ from vllm_duo.tools.processes import free_port
 
 SOURCE = "vllm-duo identify"
 GPU_MIN_CONTEXT_LEN = 1000  # the paper's shortest training prompt
+DEFAULT_WINDOW = 64 + 256  # the sink + recent that 1000 tokens were chosen with
 
 
 def default_context_len(model_dir: str | Path, device: str | None = None) -> int:
@@ -30,9 +31,13 @@ def default_context_len(model_dir: str | Path, device: str | None = None) -> int
     return min(int(config.get("max_position_embeddings") or 32000), 32000)
 
 
-def default_min_context_len(context_len: int, device: str | None = None) -> int:
-    """On GPU the paper's 1000 tokens (at most context_len); half of context_len on CPU, where prompts are short."""
-    return min(GPU_MIN_CONTEXT_LEN, context_len) if _on_cuda(device) else context_len // 2
+def default_min_context_len(context_len: int, device: str | None = None, sink: int = 64, recent: int = 256) -> int:
+    """On GPU the paper's 1000 tokens, plus what a window wider than the default 64 + 256 takes, so that the
+    shortest prompt keeps as much haystack outside sink and window for its passkeys (at most context_len); half of
+    context_len on CPU, where prompts are short."""
+    if not _on_cuda(device):
+        return context_len // 2
+    return min(GPU_MIN_CONTEXT_LEN + max(0, sink + recent - DEFAULT_WINDOW), context_len)
 
 
 def _on_cuda(device: str | None) -> bool:
