@@ -270,6 +270,18 @@ def test_a_target_sparsity_forwards_exactly_the_binarized_mask(smollm2_dir, init
     assert (straight_through_grads != 0).all()  # streaming heads' gates move too
 
 
+def test_a_target_sparsity_trains_a_ranking_by_centered_gradients_without_clamping(smollm2_dir, init_pattern):
+    """Every head would gain from full attention, so raw gradients would lift all gates alike and clamping would
+    tie them at 1: a step centers the gate gradients (they sum to 0) and leaves the gates unclamped."""
+    settings = dataclasses.replace(SETTINGS, steps=4, lr=2.0, target_sparsity=0.25, init_pattern=str(init_pattern))
+    trainer = training.GateTrainer(smollm2_dir, settings)
+    trainer.step(0)
+    grads = torch.cat([gate.grad for gate in trainer.gates])
+    assert abs(float(grads.sum())) < 1e-5 * float(grads.abs().sum()) and (grads != 0).any()
+    gates = torch.cat([gate.detach() for gate in trainer.gates])
+    assert (gates > 1.0).any() and (gates < 0.0).any()  # lr 2: one step moves gates past both ends
+
+
 def test_a_fine_tune_adds_its_trained_mask_to_the_initial_pattern(smollm2_dir, init_pattern, tmp_path, capsys):
     """identify --target-sparsity 0.25 --init-pattern P writes P with masks["0.25"] = the mask of the trained gates
     (no L1 term); the pattern serves that mask at 0.25 and its gates' ranking at 0.5."""

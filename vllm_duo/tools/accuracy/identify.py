@@ -71,7 +71,9 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
     loss = (f" + reg_weight {settings.reg_weight} x mean |alpha|" if target is None else
             f" only; in the forward pass each alpha is its hard value at sparsity {target:g} (1 for the gates the "
             "pattern's binarization keeps as retrieval, else 0) with a straight-through gradient to the soft gate, "
-            "and no L1 term: the sparsity fixes the number of streaming heads")
+            "and no L1 term: the sparsity fixes the number of streaming heads; the gate gradients centered (summing "
+            "to 0) and the gates unclamped, so that they rank the heads")
+    clamp = ", gates clamped to [0, 1] after every step" if target is None else ""
     method = (
         f"DuoAttention gate optimization: {_GATE_KINDS[settings.layer_gates]} ({init}, broadcast over its GQA "
         "group), head output = alpha * causal attention + (1 - alpha) * streaming attention (Λ mask: sink "
@@ -79,7 +81,7 @@ def build_pattern(model_dir: str | Path, settings: IdentifySettings, result: Tra
         "squared distance (mean over the hidden size) between the final hidden states of the gated and the "
         f"full-attention model (distill){loss}. AdamW lr {settings.lr}, "
         "weight decay 0, reference trapezoid schedule (linear warmup over the first 20% of steps, linear decay over "
-        f"the last 20%, both floored at 0.1x), gates clamped to [0, 1] after every step; {settings.steps} steps, "
+        f"the last 20%, both floored at 0.1x){clamp}; {settings.steps} steps, "
         f"{settings.batch_size} sample(s) per step and process x {result.world_size} process(es); data: "
         f"{settings.passkeys} 5-digit passkeys per prompt at random depths of varied filler sentences "
         f"(vllm_duo/tools/accuracy/passkey.py)"

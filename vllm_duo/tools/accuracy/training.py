@@ -285,7 +285,7 @@ class GateTrainer:
         return (student[0, positions].float() - teacher).pow(2).mean(dim=-1).mean()
 
     def step(self, step: int) -> StepStats:
-        """One AdamW step on batch_size samples per process; gate gradients averaged over processes, then clamped."""
+        """One AdamW step on batch_size samples per process; gate gradients averaged over processes."""
         settings = self.settings
         self.optimizer.zero_grad(set_to_none=True)
         self.mixing.hard_gates = self.hard_gates()
@@ -314,12 +314,20 @@ class GateTrainer:
                 gate.grad.copy_(grad)
             dist.all_reduce(stats)
             stats /= self.world_size
+        if settings.target_sparsity is not None:
+            # Only the ranking matters: without this, every gate's gradient says "more full attention helps", Adam
+            # moves each by about lr per step whatever its size, and all climb alike. Centered, a gate rises when
+            # making its head full helps more than the average head's, and falls when less.
+            mean_grad = torch.cat([gate.grad for gate in self.gates]).mean()
+            for gate in self.gates:
+                gate.grad.sub_(mean_grad)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        with torch.no_grad():
-            for gate in self.gates:
-                gate.clamp_(0.0, 1.0)
+        if settings.target_sparsity is None:  # a ranking is not clamped: ties at 0 or 1 would leave the mask undefined
+            with torch.no_grad():
+                for gate in self.gates:
+                    gate.clamp_(0.0, 1.0)
         distill, reg_value = stats.tolist()
         return StepStats(loss=distill + reg_value, distill=distill, reg=reg_value, lr=lr,
                          mean_gate=float(torch.cat([g.detach() for g in self.gates]).mean()))
