@@ -32,9 +32,9 @@ MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes a
 
 
 @triton.jit
-def _split_len(seq_len, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Tokens per split of one request: seq_len / MAX_SPLITS in whole tiles, at least MIN_SPLIT."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+def keys_per_split(num_keys, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Keys per split of one request's `num_keys`: num_keys / MAX_SPLITS in whole tiles, at least MIN_SPLIT."""
+    return tl.maximum(tl.cdiv(tl.cdiv(num_keys, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
 
 
 @triton.jit
@@ -60,6 +60,62 @@ def _streaming_range(q, m_i, l_i, acc, lo, hi, stream_ptr, table_row, head, num_
                             stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         m_i, l_i, acc = softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
+
+
+@triton.jit
+def group_queries(query_ptr, token, kv_head, stride_qt, stride_qh, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The G query heads of KV head `kv_head` at token `token`: (q `[BLOCK_G, BLOCK_D]`, zero past G and HEAD_DIM;
+    their query heads `[BLOCK_G]`; the mask of real elements `[BLOCK_G, BLOCK_D]`), so one program reads each K/V
+    byte once for the whole group."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_g < G)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_head = kv_head * G + offs_g
+    q = tl.load(query_ptr + token.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+                mask=mask, other=0.0)
+    return q, q_head, mask
+
+
+@triton.jit
+def start_decode(query_ptr, token, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 FP8: tl.constexpr, FP16: tl.constexpr):
+    """What a decode program of KV head `kv_head` starts from: `group_queries` (in fp16 where FP16: K/V tiles follow
+    q's dtype), the scores' scale with the k scale in, the v scale, and an empty online softmax (m_i, l_i, acc)."""
+    q, q_head, mask = group_queries(query_ptr, token, kv_head, stride_qt, stride_qh, G, BLOCK_G, HEAD_DIM, BLOCK_D)
+    if FP16:
+        q = q.to(tl.float16)
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, FP8)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    return q, q_head, mask, qk_scale * k_scale, v_scale, m_i, l_i, acc
+
+
+@triton.jit
+def store_part(part_out_ptr, part_lse_ptr, row, split, out, m_i, l_i, G: tl.constexpr, BLOCK_G: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PARTS: tl.constexpr):
+    """Store split `split`'s result `out` `[BLOCK_G, BLOCK_D]` (normalized) and its log2-sum-exp for query-head rows
+    [row, row + G) of part_out `[rows, NUM_PARTS, HEAD_DIM]` / part_lse `[rows, NUM_PARTS]`, for `merge_parts`."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    part = (row + offs_g) * NUM_PARTS + split
+    tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=(offs_g < G)[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < G)
+
+
+@triton.jit
+def merge_parts(part_out_ptr, part_lse_ptr, part, s_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One query head's output `[BLOCK_D]` from its split results at rows `part` `[BLOCK_S]` (those with `s_ok`),
+    weighted by their log2-sum-exp."""
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    return tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "stride", "stream_offset", "page_heads", "sink",
@@ -97,7 +153,7 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
         head = (pid - num_retrieval * MAX_SPLITS) // STREAM_SPLITS + num_retrieval
         split = (pid - num_retrieval * MAX_SPLITS) % STREAM_SPLITS
         kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
-    split_len = _split_len(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
+    split_len = keys_per_split(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
     if head < num_retrieval:
         lo = split * split_len
         hi = tl.minimum(seq_len, lo + split_len)
@@ -110,19 +166,9 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
         if lo >= hi:  # a split past the context, or an empty sink or window split
             return
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_g < G)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_head = kv_head * G + offs_g
-    q = tl.load(query_ptr + q_start.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
-                mask=mask, other=0.0)
-    if FP16:  # K/V tiles follow q's dtype
-        q = q.to(tl.float16)
-    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, FP8)
-    qk_scale = qk_scale * k_scale
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    q, q_head, mask, qk_scale, v_scale, m_i, l_i, acc = start_decode(
+        query_ptr, q_start, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh, G, BLOCK_G, HEAD_DIM,
+        BLOCK_D, FP8, FP16)
     table_row = block_table_ptr + req * stride_table
     if head < num_retrieval:
         q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
@@ -142,10 +188,10 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
     out = acc / l_i[:, None] * v_scale
     if tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS) > 1:
         # part_out [num_reqs, (R + S) * G, NUM_PARTS, HEAD_DIM], part_lse [num_reqs, (R + S) * G, NUM_PARTS]
-        part = ((req * (num_retrieval + num_streaming) + head) * G + offs_g) * NUM_PARTS + split
-        tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask)
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < G)
+        store_part(part_out_ptr, part_lse_ptr, (req * (num_retrieval + num_streaming) + head) * G, split, out, m_i,
+                   l_i, G, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_PARTS)
         return
+    offs_d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -164,7 +210,7 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = _split_len(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
+    split_len = keys_per_split(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     head = h // G
@@ -177,11 +223,7 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
         kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
     s_ok = s_ok & (offs_s < NUM_PARTS)
     part = (req * (num_retrieval + num_streaming) * G + h) * NUM_PARTS + offs_s
-    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    parts = tl.load(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    out = merge_parts(part_out_ptr, part_lse_ptr, part, s_ok, HEAD_DIM, BLOCK_D)
     q_head = kv_head * G + h % G
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -40,6 +40,18 @@ def softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr
 
 
 @triton.jit
+def retrieval_kv(pos, valid, cache_ptr, table_row, stride, head, stride_cb, stride_ckv, stride_cr, stride_ch, dtype,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K/V `[N, D]` of retrieval head `head` at positions `pos` (any order), from their retrieval pages; rows
+    that are not `valid` read as 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = retrieval_rows(table_row, pos, valid, stride, head, stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
+    ptr = cache_ptr + rows[:, None] + offs_d[None, :]
+    return tl.load(ptr, mask=ok, other=0.0).to(dtype), tl.load(ptr + stride_ckv, mask=ok, other=0.0).to(dtype)
+
+
+@triton.jit
 def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row, stride, head, qk_scale,
                     stride_cb, stride_ckv, stride_cr, stride_ch,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -62,10 +74,8 @@ def retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, first, cache_ptr, table_row
     for start in range(full_end, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        rows = retrieval_rows(table_row, pos, valid, stride, head, stride_cb, stride_cr, stride_ch, BLOCK_SIZE)
-        ptr = cache_ptr + rows[:, None] + offs_d[None, :]
-        k = tl.load(ptr, mask=valid[:, None] & d_ok, other=0.0).to(q.dtype)
-        v = tl.load(ptr + stride_ckv, mask=valid[:, None] & d_ok, other=0.0).to(q.dtype)
+        k, v = retrieval_kv(pos, valid, cache_ptr, table_row, stride, head, stride_cb, stride_ckv, stride_cr,
+                            stride_ch, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc

@@ -26,6 +26,8 @@ from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
+from vllm_duo.kernels.selection import _centroid_scores_kernel, _page_scores_kernel, _score_tiles
+from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -36,9 +38,9 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
     """Element types of the kernels' pointer arguments, by name (the rest are int32 batch metadata)."""
     scales = "fp32" if cache in FP8_FORMATS else TRITON_TYPES[cache]  # a bf16 cache passes itself as its scales
-    types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr"), TRITON_TYPES[model])
+    types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr", "centroids_ptr"), TRITON_TYPES[model])
     types.update(dict.fromkeys(("cache_ptr", "stream_ptr"), TRITON_TYPES[cache]))
-    types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr"), "fp32"))
+    types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "scores_ptr", "summaries_ptr"), "fp32"))
     types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
     types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr"), "i64"))
     return {name: "*" + t for name, t in types.items()}
@@ -75,11 +77,13 @@ def compile_for_h100(kernel, model: torch.dtype, cache: torch.dtype, constants: 
 
 def cases():
     """(label, kernel, model dtype, cache dtype, constants, options): every kernel at Llama-3.1-8B's shape (G 4,
-    head_dim 128) in bf16 and over an fp8 e4m3 cache, and decode at SmolLM2's (G 3 padded to 16 rows, head_dim 64).
+    head_dim 128) in bf16 and over an fp8 e4m3 cache, and decode at SmolLM2's (G 3 padded to 16 rows, head_dim 64);
+    the sparse decode and the selection scores (sparse_decode.py, selection.py) at Llama's.
     About 1.5 s a kernel on a cold Triton cache, so the table stays short."""
     for model, cache, G, head_dim, variants in (
-            (torch.bfloat16, torch.bfloat16, 4, 128, {"write", "prefill", "decode without splits", "merge"}),
-            (torch.bfloat16, torch.float8_e4m3fn, 4, 128, {"write", "prefill"}),
+            (torch.bfloat16, torch.bfloat16, 4, 128, {"write", "prefill", "decode without splits", "merge", "sparse",
+                                                      "scores"}),
+            (torch.bfloat16, torch.float8_e4m3fn, 4, 128, {"write", "prefill", "sparse"}),
             (torch.bfloat16, torch.bfloat16, 3, 64, set())):
         fp8 = FP8_FORMATS.get(cache, "")
         fp16 = bool(fp8) and model == torch.bfloat16
@@ -109,6 +113,23 @@ def cases():
                                  MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
                                  BLOCK_S=triton.next_power_of_2(parts))
                 yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, {}
+
+        if "sparse" in variants:
+            block_g = max(16, triton.next_power_of_2(G))
+            for max_splits in (1, 64):
+                constants = dict(shape, G=G, BLOCK_G=block_g, BLOCK_N=block_n, MAX_SPLITS=max_splits,
+                                 MIN_SPLIT=min_split, FP16=fp16)
+                yield (f"sparse decode {tag} splits {max_splits}", _sparse_decode_kernel, model, cache, constants,
+                       dict(num_warps=4, num_stages=num_stages))
+            constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], MAX_SPLITS=64,
+                             MIN_SPLIT=min_split, BLOCK_S=64)
+            yield f"sparse merge {tag} splits 64", _sparse_merge_kernel, model, cache, constants, {}
+        if "scores" in variants:
+            tile = _score_tiles(CUDA)
+            common = dict(G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"])
+            yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
+                   dict(common, BLOCK_C=tile, CONTEXTS=True), {})
+            yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
 
 
 def main() -> int:

@@ -209,6 +209,15 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol.rtol, atol=tol.atol)
 
 
+def assert_only(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, dtype,
+                message: str) -> None:
+    """`out` matches `ref` at query `heads` of token `rows`, and is unwritten (NaN poison) everywhere else."""
+    assert_close(out[rows][:, heads], ref[rows][:, heads], dtype)
+    written = torch.zeros_like(out, dtype=torch.bool)
+    written[rows[:, None], heads[None, :]] = True
+    assert out[~written].isnan().all(), message
+
+
 def decode_rows(case: Case) -> torch.Tensor:
     """Token rows of the requests with exactly one new token."""
     starts = case.query_start_loc
@@ -298,11 +307,8 @@ def test_decode_kernel_streaming_only(name):
         cache, stream = stream, None
     decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out, 3,
                      stream_cache=stream, streaming_only=True)
-    streaming_q = case.heads.streaming_q
-    assert_close(out[rows][:, streaming_q], ref[rows][:, streaming_q], torch.float32)
-    written = torch.zeros_like(out, dtype=torch.bool)
-    written[rows[:, None], streaming_q[None, :]] = True
-    assert out[~written].isnan().all(), "decode wrote retrieval heads or rows of multi-token requests"
+    assert_only(out, ref, rows, case.heads.streaming_q, torch.float32,
+                "decode wrote retrieval heads or rows of multi-token requests")
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -382,6 +388,19 @@ def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
     assert "scheduler_metadata" not in calls[-1] and len(made) == 2
 
 
+def lifted(cache: torch.Tensor, shift: int) -> torch.Tensor:
+    """`cache` with block b > 0 moved to block b + shift, in a cache allocated lazily (only the touched pages take
+    memory); the poison block stays block 0."""
+    big = torch.empty((shift + cache.shape[0], *cache.shape[1:]), dtype=cache.dtype)
+    big[0], big[shift + 1:] = cache[0], cache[1:]
+    return big
+
+
+def lifted_table(block_table: torch.Tensor, shift: int) -> torch.Tensor:
+    """The block table of `lifted` caches."""
+    return torch.where(block_table > 0, block_table + shift, block_table)
+
+
 def test_pages_past_2_31_elements_are_read_and_written_where_they_are():
     """Cache offsets are 64-bit: a page whose first element lies past 2^31 (a KV cache of over 2^31 elements, as one
     request of ~1M tokens at Llama-3.1-8B's shape has) is written and read there, not 2^32 elements lower. The case's
@@ -390,14 +409,7 @@ def test_pages_past_2_31_elements_are_read_and_written_where_they_are():
     case = make_case(PRESETS["pooled_streaming"], dtype=torch.float16)
     ref, (ref_cache, ref_stream) = case.reference()
     shift = 2 ** 31 // case.cache[0].numel()  # the first block id at element 2^31
-
-    def lifted(cache: torch.Tensor) -> torch.Tensor:
-        big = torch.empty((shift + cache.shape[0], *cache.shape[1:]), dtype=cache.dtype)
-        big[0], big[shift + 1:] = cache[0], cache[1:]  # the poison block stays block 0
-        return big
-
-    cache, stream = lifted(case.cache), lifted(case.stream)
-    table = torch.where(case.block_table > 0, case.block_table + shift, case.block_table)
+    cache, stream, table = lifted(case.cache, shift), lifted(case.stream, shift), lifted_table(case.block_table, shift)
     out = case.poisoned_output()
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
     duo_attention_triton(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, table, case.scale,
@@ -413,10 +425,11 @@ def test_launched_kernels_declare_their_memory_strides_64_bit():
     a launched kernel takes is declared tl.int64."""
     import inspect
 
-    from vllm_duo.kernels import cache_write, decode, prefill, queries
+    from vllm_duo.kernels import cache_write, decode, prefill, queries, selection, sparse_decode
 
     kernels = [decode._decode_kernel, decode._merge_kernel, prefill._prefill_kernel, cache_write._write_kv_kernel,
-               queries._quantize_kernel]
+               queries._quantize_kernel, sparse_decode._sparse_decode_kernel, sparse_decode._sparse_merge_kernel,
+               selection._centroid_scores_kernel, selection._page_scores_kernel]
     for kernel in kernels:
         parameters = inspect.signature(kernel.fn).parameters.values()
         strides = {p.name: p.annotation for p in parameters if p.name.startswith("stride_")}

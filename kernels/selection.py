@@ -1,0 +1,266 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which context positions a retrieval head's sparse decode reads (sparse_decode.py): scores per key cluster
+(Squeezed Attention's centroids) or per page (Quest's per-channel key bounds), then the positions of the best.
+
+Scores come from each request's last query token, one Triton launch per layer, reduced over the GQA group by
+max (a KV head's keys serve all of its query heads, so a cluster or page counts if any of them wants it). The
+selections are plain torch with fixed shapes and no host syncs: CUDA-graph capturable. They emit the
+`[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that `sparse_decode_attention` takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_duo.kernels.decode import group_queries
+from vllm_duo.kernels.prefill import LOG2E
+from vllm_duo.kernels.reference import LayerHeads
+
+
+@triton.jit
+def _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, stride_qt, stride_qh,
+                  G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query heads of retrieval KV head `head` at request `req`'s last token, `[BLOCK_G, BLOCK_D]` (a request
+    without tokens reads another's: its scores are never used)."""
+    token = tl.maximum(tl.load(query_start_loc_ptr + req + 1) - 1, 0)
+    q, _q_heads, _q_mask = group_queries(query_ptr, token, tl.load(retrieval_kv_ptr + head), stride_qt, stride_qh, G,
+                                         BLOCK_G, HEAD_DIM, BLOCK_D)
+    return q
+
+
+@triton.jit
+def _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
+                     BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Base-2 logits `[BLOCK_G, BLOCK_C]` of clusters [start, start + BLOCK_C) (-inf for empty or absent ones) and
+    their sizes `[BLOCK_C]`."""
+    offs_c = start + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    c_ok = offs_c < num_clusters
+    c = tl.load(centroid_row + offs_c.to(tl.int64)[:, None] * stride_cn + offs_d[None, :],
+                mask=c_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(q.dtype)
+    size = tl.load(size_row + offs_c, mask=c_ok, other=0).to(tl.float32)
+    s = tl.dot(q, tl.trans(c)) * qk_scale
+    return tl.where(size[None, :] > 0, s, float("-inf")), size
+
+
+@triton.jit(do_not_specialize=["num_clusters"])
+def _centroid_scores_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr, scores_ptr, retrieval_kv_ptr,
+                            query_start_loc_ptr, qk_scale, num_clusters,
+                            stride_qt: tl.int64, stride_qh: tl.int64, stride_cx: tl.int64, stride_ch: tl.int64,
+                            stride_cn: tl.int64, stride_nx: tl.int64, stride_nh: tl.int64, stride_or: tl.int64,
+                            stride_oh: tl.int64,
+                            G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R): two passes over one head's centroids, the first for each query head's denominator
+    sum_j N_j exp(q.C_j * scale), the second for the scores, max over the group."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q = _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, stride_qt, stride_qh, G, BLOCK_G,
+                      HEAD_DIM, BLOCK_D)
+    if CONTEXTS:
+        context = tl.load(context_ids_ptr + req).to(tl.int64)
+    else:
+        context = req.to(tl.int64)
+    centroid_row = centroids_ptr + context * stride_cx + head * stride_ch
+    size_row = sizes_ptr + context * stride_nx + head * stride_nh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    for start in range(0, num_clusters, BLOCK_C):
+        s, size = _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
+                                   BLOCK_C, HEAD_DIM, BLOCK_D)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        denom = denom * tl.exp2(m_i - m_safe) + tl.sum(size[None, :] * tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
+    denom = tl.where(denom > 0, denom, 1.0)  # no cluster at all: every score 0
+    in_group = tl.arange(0, BLOCK_G) < G
+    for start in range(0, num_clusters, BLOCK_C):
+        s, _size = _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
+                                    BLOCK_C, HEAD_DIM, BLOCK_D)
+        score = tl.where(in_group[:, None], tl.exp2(s - m_safe[:, None]) / denom[:, None], 0.0)
+        offs_c = start + tl.arange(0, BLOCK_C)
+        tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, tl.max(score, 0), mask=offs_c < num_clusters)
+
+
+@triton.jit(do_not_specialize=["num_pages", "stride"])
+def _page_scores_kernel(query_ptr, summaries_ptr, scores_ptr, retrieval_kv_ptr, query_start_loc_ptr, seq_lens_ptr,
+                        block_table_ptr, num_pages, stride,
+                        stride_qt: tl.int64, stride_qh: tl.int64, stride_table: tl.int64, stride_sb: tl.int64,
+                        stride_sm: tl.int64, stride_sh: tl.int64, stride_or: tl.int64, stride_oh: tl.int64,
+                        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Grid (num_reqs, R, cdiv(num_pages, BLOCK_P)): Quest's bound sum_d max(q_d min_d, q_d max_d) of BLOCK_P pages,
+    as q+ . max + q- . min (q+ and q- the positive and negative parts of q), max over the group."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q = _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, stride_qt, stride_qh, G, BLOCK_G,
+                      HEAD_DIM, BLOCK_D).to(tl.float32)
+    page = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_context = page * BLOCK_SIZE < tl.load(seq_lens_ptr + req)
+    block = tl.load(block_table_ptr + req * stride_table + page * stride, mask=in_context, other=0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    ptr = summaries_ptr + block[:, None] * stride_sb + head * stride_sh + offs_d[None, :]
+    ok = in_context[:, None] & (offs_d < HEAD_DIM)[None, :]
+    low = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    high = tl.load(ptr + stride_sm, mask=ok, other=0.0).to(tl.float32)
+    bound = tl.dot(tl.maximum(q, 0.0), tl.trans(high)) + tl.dot(tl.minimum(q, 0.0), tl.trans(low))
+    bound = tl.max(tl.where((tl.arange(0, BLOCK_G) < G)[:, None], bound, float("-inf")), 0)
+    tl.store(scores_ptr + req * stride_or + head * stride_oh + page, tl.where(in_context, bound, float("-inf")),
+             mask=page < num_pages)
+
+
+def _score_tiles(device: torch.device) -> int:
+    """Centroids or pages per tile: tensor-core sized on GPU, the smallest tl.dot takes on the CPU interpreter."""
+    return 64 if device.type == "cuda" else 16
+
+
+def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
+                    query_start_loc: torch.Tensor, scale: float,
+                    context_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Squeezed Attention's estimate (its Eq. 1) of the attention weight of one key of each cluster,
+    S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale), for each request's last query token, max over the
+    query heads of each retrieval KV head.
+
+    Args:
+        query: `[num_tokens, num_heads, head_dim]`.
+        centroids: `[num_contexts, R, C, head_dim]`, unit last stride: each context's cluster centroids per
+            retrieval KV head (clusters of the keys as attention sees them).
+        sizes: `[num_contexts, R, C]` int32 or float: keys per cluster N_j; clusters of size 0 (padding) score 0.
+        heads: the layer's head maps.
+        query_start_loc: `[num_reqs + 1]` int32.
+        scale: the softmax scale.
+        context_ids: `[num_reqs]` int32, the context of each request (requests over one shared document read
+            one copy); None: request i's context is row i.
+
+    Returns:
+        `[num_reqs, R, C]` float32 scores (a request without query tokens gets some other token's).
+    """
+    num_reqs, R, C = query_start_loc.shape[0] - 1, heads.num_retrieval, centroids.shape[2]
+    scores = torch.zeros(num_reqs, R, C, dtype=torch.float32, device=query.device)
+    if query.shape[0] == 0 or num_reqs == 0 or R == 0 or C == 0:
+        return scores
+    if centroids.shape[1] != R or centroids.shape[-1] != query.shape[-1] or centroids.stride(-1) != 1:
+        raise ValueError(f"centroids {tuple(centroids.shape)} must be [contexts, {R}, C, {query.shape[-1]}], "
+                         "unit last stride")
+    head_dim, G = query.shape[-1], heads.group_size
+    # without context ids the kernel reads none: `scores` stands in for the pointer
+    _centroid_scores_kernel[(num_reqs, R)](
+        query, centroids, sizes, scores if context_ids is None else context_ids, scores, heads.retrieval_kv,
+        query_start_loc, scale * LOG2E, C, *query.stride()[:2], *centroids.stride()[:3], *sizes.stride()[:2],
+        *scores.stride()[:2],
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_C=_score_tiles(query.device), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None, num_warps=4)
+    return scores
+
+
+def page_scores(query: torch.Tensor, summaries: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Quest's upper bound of q.k over each retrieval page's keys, from per-channel key minima and maxima, for
+    each request's last query token, max over the query heads of each retrieval KV head.
+
+    Args:
+        query: `[num_tokens, num_heads, head_dim]`.
+        summaries: `[num_blocks, 2, >= R, head_dim]`, unit last stride: per retrieval page (by block id) and
+            retrieval head slot, the minimum (0) and maximum (1) of each key channel, as attention sees the keys.
+            Kept with the page, so prefix caching shares them.
+        heads: the layer's head maps; `heads.stride` block table columns per token block.
+        query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]`
+            int32.
+        block_size: tokens per page.
+
+    Returns:
+        `[num_reqs, R, cdiv(max_blocks, stride)]` float32 bounds, -inf for pages past the context.
+    """
+    num_reqs, R = seq_lens.shape[0], heads.num_retrieval
+    num_pages = triton.cdiv(block_table.shape[1], heads.stride)
+    scores = torch.full((num_reqs, R, num_pages), float("-inf"), dtype=torch.float32, device=query.device)
+    if query.shape[0] == 0 or num_reqs == 0 or R == 0:
+        return scores
+    if summaries.dim() != 4 or summaries.shape[1] != 2 or summaries.shape[2] < R or summaries.stride(-1) != 1:
+        raise ValueError(f"summaries {tuple(summaries.shape)} must be [num_blocks, 2, >= {R}, head_dim], "
+                         "unit last stride")
+    head_dim, G, block_p = query.shape[-1], heads.group_size, _score_tiles(query.device)
+    _page_scores_kernel[(num_reqs, R, triton.cdiv(num_pages, block_p))](
+        query, summaries, scores, heads.retrieval_kv, query_start_loc, seq_lens, block_table, num_pages, heads.stride,
+        *query.stride()[:2], block_table.stride(0), *summaries.stride()[:3], *scores.stride()[:2],
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_P=block_p, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4)
+    return scores
+
+
+def select_positions(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
+                     budget: int | torch.Tensor, max_selected: int, context_ids: torch.Tensor | None = None,
+                     threshold: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of each row's best clusters: clusters in descending score (ties: lower index first) while
+    the positions taken before them are fewer than `budget` (the last one may pass it) and, with `threshold`,
+    their score exceeds it.
+
+    Cluster c of a context's head r holds `cluster_positions[x, r, cluster_offsets[x, r, c]:cluster_offsets[x, r,
+    c + 1]]` (a CSR: positions sorted by cluster). A position that falls in the sinks or the window is skipped by
+    the sparse decode, but counts here.
+
+        sizes 3, 5, 2 (clusters 0, 1, 2), scores 0.1, 0.5, 0.3, budget 6: cluster 1 (5 taken), then cluster 2
+        (5 < 6: 7 taken), not cluster 0 (7 >= 6): positions of 1 then 2, count 7
+
+    Args:
+        scores: `[num_reqs, R, C]` (`centroid_scores`).
+        cluster_offsets: `[num_contexts, R, C + 1]` integer, non-decreasing from 0.
+        cluster_positions: `[num_contexts, R, T]` int32, contiguous.
+        budget: positions to take per row: an int, or `[num_reqs, R]` integers.
+        max_selected: the width of the result; a row's positions past it are cut.
+        context_ids: `[num_reqs]` int32 context of each request; None: row i.
+        threshold: clusters scoring at or below it are not taken.
+
+    Returns:
+        selected `[num_reqs, R, max_selected]` int32 (0 past the count), num_selected `[num_reqs, R]` int32.
+    """
+    num_reqs, R, C = scores.shape
+    device = scores.device
+    context = torch.arange(num_reqs, device=device) if context_ids is None else context_ids.long()
+    offsets = cluster_offsets[context].long()  # [num_reqs, R, C + 1]
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    sizes = (offsets[..., 1:] - offsets[..., :-1]).gather(-1, order)
+    ends = sizes.cumsum(-1)
+    taken = ends - sizes < (budget[..., None] if isinstance(budget, torch.Tensor) else budget)
+    if threshold is not None:
+        taken &= sorted_scores > threshold
+    counts = (sizes * taken).sum(-1).clamp(max=max_selected)
+    slot = torch.arange(max_selected, device=device).expand(num_reqs, R, max_selected).contiguous()
+    rank = torch.searchsorted(ends, slot, right=True).clamp(max=C - 1)  # the rank of the cluster each slot falls in
+    index = offsets.gather(-1, order.gather(-1, rank)) + slot - (ends - sizes).gather(-1, rank)
+    row = (context[:, None] * R + torch.arange(R, device=device)) * cluster_positions.shape[-1]
+    keep = slot < counts[..., None]
+    selected = cluster_positions.reshape(-1)[torch.where(keep, row[..., None] + index, 0)]
+    return torch.where(keep, selected, 0).to(torch.int32), counts.to(torch.int32)
+
+
+def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sink: int, recent: int,
+                 num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context positions of each row's `num_pages` best pages (`page_scores`) among those with a position
+    between the sinks [0, sink) and the window [seq_len - recent, seq_len): those positions, ascending.
+
+    Args:
+        scores: `[num_reqs, R, pages]`.
+        seq_lens: `[num_reqs]` int32.
+        block_size: tokens per page.
+        sink, recent: the sinks and window the sparse decode attends anyway.
+        num_pages: pages per row (at most `pages`).
+
+    Returns:
+        selected `[num_reqs, R, num_pages * block_size]` int32 (0 past the count), num_selected `[num_reqs, R]` int32.
+    """
+    pages = scores.shape[-1]
+    if num_pages > pages:
+        raise ValueError(f"num_pages {num_pages} exceeds the {pages} pages scored")
+    window = (seq_lens.long() - recent).clamp(min=sink)[:, None, None]  # [num_reqs, 1, 1]
+    first = torch.arange(pages, device=scores.device) * block_size
+    between = (first < window) & (first + block_size > sink)  # pages with a position between the sinks and window
+    top = scores.masked_fill(~between, float("-inf")).topk(num_pages, dim=-1).indices
+    pos = (top[..., None] * block_size + torch.arange(block_size, device=scores.device)).flatten(-2)
+    keep = (pos >= sink) & (pos < window)
+    ascending = torch.where(keep, pos, torch.iinfo(torch.int32).max).sort(dim=-1).values
+    counts = keep.sum(-1)
+    return torch.where(ascending < torch.iinfo(torch.int32).max, ascending, 0).to(torch.int32), counts.to(torch.int32)

@@ -1,0 +1,338 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sparse retrieval decode (Squeezed Attention) and its selection against kernels/sparse_reference.py, on the CPU
+interpreter with test_kernels.py's small cases; the end-to-end equality: selecting every context position gives
+duo's full retrieval decode."""
+
+import pytest
+import torch
+from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, assert_only, cuda_scales, decode_rows,
+                          lifted, lifted_table, make_case, written_caches)
+
+from vllm_duo.kernels import sparse_reference as ref
+from vllm_duo.kernels.decode import decode_attention
+from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
+from vllm_duo.kernels.selection import centroid_scores, page_scores, select_pages, select_positions
+from vllm_duo.kernels.sparse_decode import sparse_decode_attention
+
+# decode batches: GQA 3 with contexts within the sinks and window, MHA with a one-token context, graph padding
+# (requests without tokens), a mixed batch (its multi-token requests stay untouched), 32-token pages of head_dim 80
+DECODE = ["decode_gqa3", "decode_mha", "graph_padding", "chunked_mixed", "head_dim_80_wide_pages"]
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+
+
+def between(case: Case, i: int) -> torch.Tensor:
+    """Request i's context positions between the sinks and the window of its new token."""
+    p, seq_len = case.preset, case.seq_lens[i]
+    return torch.arange(p.sink, max(p.sink, seq_len - p.recent))
+
+
+def selection(case: Case, rows: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[num_reqs, R, max_selected]` positions and counts from per-request, per-head lists; each row is padded with
+    positions between the sinks and the window that it did not select (a kernel reading past the count shows)."""
+    width = max([1] + [len(row) + len(between(case, i)) for i, heads in enumerate(rows) for row in heads])
+    selected = torch.zeros(len(rows), case.heads.num_retrieval, width, dtype=torch.int32)
+    counts = torch.zeros(len(rows), case.heads.num_retrieval, dtype=torch.int32)
+    for i, heads in enumerate(rows):
+        for r, row in enumerate(heads):
+            rest = between(case, i)[~torch.isin(between(case, i), row)]
+            selected[i, r, :len(row) + len(rest)] = torch.cat([row, rest]).int()
+            counts[i, r] = len(row)
+    return selected, counts
+
+
+def random_selection(case: Case, with_skipped: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random share (0 to all) of each row's positions between the sinks and the window, shuffled; with
+    `with_skipped`, also a sink, a window position and one past the context, which the kernel must skip."""
+    rows = []
+    for i, seq_len in enumerate(case.seq_lens):
+        heads = []
+        for _ in range(case.heads.num_retrieval):
+            pool = between(case, i)[torch.randperm(len(between(case, i)))]
+            row = pool[:int(torch.randint(0, len(pool) + 1, ()))]
+            if with_skipped and seq_len > case.preset.sink:
+                row = torch.cat([row, torch.tensor([0, seq_len - 1, seq_len + 3])])[torch.randperm(len(row) + 3)]
+            heads.append(row)
+        rows.append(heads)
+    return selection(case, rows)
+
+
+def full_selection(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position between the sinks and the window, reversed (order must not matter)."""
+    return selection(case, [[between(case, i).flip(0)] * case.heads.num_retrieval for i in range(len(case.seq_lens))])
+
+
+def run_sparse(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor, splits: int = 3,
+               table: torch.Tensor | None = None) -> torch.Tensor:
+    out = case.poisoned_output()
+    sparse_decode_attention(case.query, cache, case.heads, case.qsl, case.sl,
+                            case.block_table if table is None else table, case.scale, out, selected, counts, splits,
+                            quant=case.quant)
+    return out
+
+
+def sparse_reference(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    out = case.poisoned_output()
+    ref.sparse_decode_attention(case.query, cache, case.heads, case.query_start_loc, case.seq_lens, case.block_table,
+                                case.scale, out, selected, counts, case.quant)
+    return out
+
+
+def assert_retrieval_rows(out: torch.Tensor, expected: torch.Tensor, case: Case, dtype=torch.float32) -> None:
+    """The retrieval heads of single-token requests match; nothing else was written."""
+    assert_only(out, expected, decode_rows(case), case.heads.retrieval_q, dtype,
+                "wrote streaming heads or rows of multi-token requests")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", DECODE)
+def test_sparse_decode_matches_reference(name, splits):
+    case = make_case(PRESETS[name])
+    cache, _ = written_caches(case)
+    selected, counts = random_selection(case)
+    out = run_sparse(case, cache, selected, counts, splits)
+    assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case)
+
+
+@pytest.mark.parametrize("name", ["decode_gqa3", "decode_mha", "head_dim_80_wide_pages", "all_retrieval"])
+def test_full_selection_equals_duo_decode(name):
+    """What matters end to end: selecting every position between the sinks and the window gives duo's own decode of
+    the retrieval heads (the split decode kernel, and the reference)."""
+    case = make_case(PRESETS[name])
+    cache, stream = written_caches(case)
+    full = case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
+                     stream_cache=stream)
+    out = run_sparse(case, cache, *full_selection(case))
+    assert_retrieval_rows(out, full, case)
+    assert_retrieval_rows(out, case.reference()[0], case)
+
+
+def test_empty_selection_attends_sinks_and_window():
+    """With nothing selected a retrieval head attends as a streaming head does: the Λ mask over its own pages."""
+    case = make_case(PRESETS["decode_gqa3"])
+    cache, _ = written_caches(case)
+    selected, counts = random_selection(case)
+    out = run_sparse(case, cache, selected, torch.zeros_like(counts))
+    expected = case.poisoned_output()
+    p, G = case.preset, case.heads.group_size
+    for i, seq_len in enumerate(case.seq_lens):
+        t, k_pos = case.query_start_loc[i], torch.arange(seq_len)
+        keys, values = read_retrieval(cache, case.block_table[i].long(), seq_len, case.heads.num_retrieval,
+                                      case.heads.stride)
+        expected[t, case.heads.retrieval_q] = attend(case.query[t:t + 1, case.heads.retrieval_q], keys, values,
+                                                     torch.tensor([seq_len - 1]), k_pos, case.scale, G, p.sink,
+                                                     p.recent)[0]
+    assert_retrieval_rows(out, expected, case)
+
+
+# bf16 queries over a bf16 cache: on CUDA only (the interpreter's bf16 tl.dot is wrong, decode.py's too)
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # the interpreter's log2(0) = -inf, meant
+def test_split_of_skipped_positions_only():
+    """A split whose listed positions all lie in the sinks, the window or past the context adds nothing to the merge
+    (here split 1 of 4: 4 sinks, 60 skipped positions, 16 window positions in splits of 32)."""
+    case = make_case(PRESETS["decode_mha"])
+    cache, _ = written_caches(case)
+    skipped = torch.cat([torch.arange(4), torch.arange(45, 101)])  # request 0: seq_len 61, window [45, 61)
+    selected, counts = selection(case, [[skipped], [torch.tensor([], dtype=torch.long)], [skipped[:2]]])
+    out = run_sparse(case, cache, selected, counts, 4)
+    assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case)
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, FP8[0]), (torch.float32, FP8[1]),
+                                             (torch.bfloat16, FP8[0]), (torch.float16, torch.float16)])
+def test_sparse_decode_dtypes(dtype, kv_dtype):
+    """fp8 pages dequantized in registers by the layer's scales (bf16 queries meet them in fp16), fp16 caches."""
+    quant = SCALES if kv_dtype in FP8 else None
+    case = make_case(PRESETS["decode_gqa3"], dtype=dtype, kv_dtype=kv_dtype, quant=quant)
+    cache, _ = written_caches(case, quant)
+    selected, counts = random_selection(case)
+    out = run_sparse(case, cache, selected, counts)
+    assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case, dtype)
+
+
+def test_pages_past_2_31_elements_are_read_where_they_are():
+    """64-bit cache offsets: pages moved past element 2^31 of a lazily allocated cache (see test_kernels.py)."""
+    case = make_case(PRESETS["decode_gqa3"], dtype=torch.float16)
+    cache, _ = written_caches(case)
+    selected, counts = random_selection(case)
+    expected = sparse_reference(case, cache, selected, counts)
+    shift = 2 ** 31 // cache[0].numel()
+    out = run_sparse(case, lifted(cache, shift), selected, counts, table=lifted_table(case.block_table, shift))
+    assert_retrieval_rows(out, expected, case, torch.float16)
+
+
+def test_rejects_a_malformed_selection():
+    case = make_case(PRESETS["decode_mha"])
+    selected, counts = random_selection(case)
+    with pytest.raises(ValueError, match="int32"):
+        run_sparse(case, case.cache, selected.long(), counts)
+    with pytest.raises(ValueError, match="max_selected"):
+        run_sparse(case, case.cache, selected[:1], counts)
+
+
+def scoring_batch(num_kv_heads: int, group: int, retrieval: list[int], query_lens: list[int], dtype=torch.float32,
+                  head_dim: int = 32) -> tuple[torch.Tensor, LayerHeads, torch.Tensor]:
+    """Queries `[tokens, heads, head_dim]`, head maps and query_start_loc of a batch of `query_lens`."""
+    heads = LayerHeads.build(retrieval, num_kv_heads, num_kv_heads * group, 2, 4, 16)
+    starts = torch.tensor([0] + query_lens).cumsum(0).int()
+    return torch.randn(int(starts[-1]), num_kv_heads * group, head_dim, dtype=dtype), heads, starts
+
+
+@pytest.mark.parametrize("group, query_lens, clusters, shared, dtype", [
+    (1, [1], 5, False, torch.float32),
+    (3, [1, 4, 0, 1], 37, True, torch.float32),  # a request without tokens; four requests over two contexts
+    (4, [1, 1], 16, False, torch.float16),
+])
+def test_centroid_scores(group, query_lens, clusters, shared, dtype):
+    """Eq. 1 per query head, max over the group; empty (padding) clusters score 0, a context of none scores 0."""
+    query, heads, starts = scoring_batch(4, group, [0, 3], query_lens, dtype)
+    num_contexts = 2 if shared else len(query_lens)
+    centroids = torch.randn(num_contexts, 2, clusters, query.shape[-1], dtype=dtype)
+    sizes = torch.randint(0, 6, (num_contexts, 2, clusters), dtype=torch.int32)
+    sizes[-1, -1] = 0
+    contexts = torch.tensor([1, 0, 1, 1], dtype=torch.int32) if shared else None
+    scores = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts)
+    expected = ref.centroid_scores(query, centroids, sizes, heads, starts.tolist(), 0.3,
+                                   None if contexts is None else contexts.tolist())
+    tol = TOL[dtype]
+    torch.testing.assert_close(scores, expected, rtol=tol.rtol, atol=tol.atol / 10)
+    assert (scores[(sizes if contexts is None else sizes[contexts.long()]) == 0] == 0).all()
+
+
+def test_centroid_scores_estimate_a_softmax():
+    """The reference's estimates weigh to 1 over the keys of a single query head's clusters (its Eq. 1 denominator)."""
+    query, heads, starts = scoring_batch(2, 1, [1], [1, 1])
+    centroids, sizes = torch.randn(2, 1, 9, query.shape[-1]), torch.randint(1, 5, (2, 1, 9))
+    scores = ref.centroid_scores(query, centroids, sizes, heads, starts.tolist(), 0.2)
+    torch.testing.assert_close((scores * sizes).sum(-1), torch.ones(2, 1))
+
+
+def clustered(num_contexts: int, R: int, lengths: list[int], clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random clustering of positions [0, length) of each context: (CSR offsets `[contexts, R, C + 1]`, positions
+    sorted by cluster `[contexts, R, max length]`), some clusters empty."""
+    offsets = torch.zeros(num_contexts, R, clusters + 1, dtype=torch.int32)
+    positions = torch.zeros(num_contexts, R, max(lengths), dtype=torch.int32)
+    for x in range(num_contexts):
+        for r in range(R):
+            label = torch.randint(0, clusters, (lengths[x],)) // 2 * 2  # odd clusters stay empty
+            order = torch.argsort(label, stable=True)
+            positions[x, r, :lengths[x]] = order.int()
+            offsets[x, r, 1:] = torch.bincount(label, minlength=clusters).cumsum(0).int()
+    return offsets, positions
+
+
+@pytest.mark.parametrize("budget, max_selected, shared, threshold", [
+    (10, 40, False, None),
+    (0, 8, False, None),  # empty selections
+    (1000, 30, True, None),  # every cluster; rows cut at max_selected
+    ("per_row", 64, True, None),
+    (25, 64, False, 0.02),
+])
+def test_select_positions(budget, max_selected, shared, threshold):
+    num_reqs, R, C = 4, 3, 12
+    lengths = [50, 7, 33, 64]
+    offsets, positions = clustered(2 if shared else num_reqs, R, lengths, C)
+    scores = torch.rand(num_reqs, R, C) / 10
+    scores[0, 0, :4] = 0.05  # ties: lower index first
+    if budget == "per_row":
+        budget = torch.randint(0, 40, (num_reqs, R), dtype=torch.int32)
+    contexts = torch.tensor([1, 0, 0, 1], dtype=torch.int32) if shared else None
+    got = select_positions(scores, offsets, positions, budget, max_selected, contexts, threshold)
+    expected = ref.select_positions(scores, offsets, positions, budget, max_selected,
+                                    None if contexts is None else contexts.tolist(), threshold)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
+
+
+def summarized(case: Case) -> torch.Tensor:
+    """The case's Quest page summaries after its step."""
+    cache, _ = written_caches(case)
+    return ref.page_summaries(cache, case.heads, case.seq_lens, case.block_table, case.quant)
+
+
+@pytest.mark.parametrize("name", ["decode_gqa3", "head_dim_80_wide_pages", "graph_padding"])
+def test_page_scores(name):
+    case = make_case(PRESETS[name])
+    summaries = summarized(case)
+    block_size = case.preset.block_size
+    scores = page_scores(case.query, summaries, case.heads, case.qsl, case.sl, case.block_table, block_size)
+    expected = ref.page_scores(case.query, summaries, case.heads, case.query_start_loc, case.seq_lens,
+                               case.block_table, block_size)
+    assert torch.equal(scores.isinf(), expected.isinf())
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_pages", [1, 2, 8])
+def test_select_pages(num_pages):
+    """Pages wholly in the sinks or the window are never chosen; a page across their edge gives its other positions."""
+    seq_lens = [100, 37, 21, 5]
+    scores = torch.randn(4, 2, 8)
+    got = select_pages(scores, torch.tensor(seq_lens, dtype=torch.int32), 16, 4, 16, num_pages)
+    expected = ref.select_pages(scores, seq_lens, 16, 4, 16, num_pages)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
+
+
+def test_clusters_selecting_everything_equal_duo_decode():
+    """Centroid scores, then a budget that takes every cluster of each request's whole context (its sinks and
+    window included: the decode skips them): duo's retrieval decode."""
+    case = make_case(PRESETS["decode_gqa3"])
+    cache, stream = written_caches(case)
+    R, C = case.heads.num_retrieval, 6
+    offsets, positions = clustered(len(case.seq_lens), R, case.seq_lens, C)
+    centroids = torch.randn(len(case.seq_lens), R, C, case.preset.head_dim)
+    scores = centroid_scores(case.query, centroids, offsets.diff(dim=-1), case.heads, case.qsl, case.scale)
+    selected, counts = select_positions(scores, offsets, positions, max(case.seq_lens), max(case.seq_lens))
+    full = case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 1,
+                     stream_cache=stream)
+    assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
+
+
+def test_pages_selecting_everything_equal_duo_decode():
+    """Page bounds, then every page: duo's retrieval decode."""
+    case = make_case(PRESETS["decode_gqa3"])
+    cache, stream = written_caches(case)
+    scores = page_scores(case.query, summarized(case), case.heads, case.qsl, case.sl, case.block_table,
+                         case.preset.block_size)
+    selected, counts = select_pages(scores, case.sl, case.preset.block_size, case.preset.sink, case.preset.recent,
+                                    scores.shape[-1])
+    full = case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 1,
+                     stream_cache=stream)
+    assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype):
+    """A bf16 model on CUDA: page bounds, page selection and sparse decode captured once, replayed on new queries,
+    each to its reference (the selection from the replay's own scores: TF32 bounds may reorder near ties)."""
+    quant = cuda_scales() if kv_dtype in FP8 else None
+    case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
+    cache, _ = written_caches(case, quant)
+    summaries, p, out = summarized(case), case.preset, case.poisoned_output()
+
+    def step():
+        scores = page_scores(case.query, summaries, case.heads, case.qsl, case.sl, case.block_table, p.block_size)
+        selected, counts = select_pages(scores, case.sl, p.block_size, p.sink, p.recent, 8)
+        sparse_decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+                                selected, counts, 8, quant=quant)
+        return scores, selected, counts
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scores, selected, counts = step()
+    case.query.copy_(torch.randn_like(case.query))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = ref.page_scores(case.query, summaries, case.heads, case.query_start_loc, case.seq_lens,
+                               case.block_table, p.block_size)
+    torch.testing.assert_close(scores, expected, rtol=1e-2, atol=0.5)
+    expected = ref.select_pages(scores, case.seq_lens, p.block_size, p.sink, p.recent, 8)
+    assert torch.equal(counts, expected[1]) and torch.equal(selected, expected[0])
+    assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case, torch.bfloat16)
