@@ -406,14 +406,14 @@ def kmeans_cost(records: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     """Markdown: method x budget."""
-    lines = ["| method | budget | needles hits | passkey hits | attn-mass recall | keys read | lookup reads "
-             "| KL vs duo |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | budget | needles hits | passkey hits | mass recall | keys read | lookup reads "
+             "| total reads | KL vs duo |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         budget = f"1/{row['budget']}" if row["budget"] else ("all" if row["method"] == "duo" else "0")
         lines.append(f"| {row['method']} | {budget} | {row['needles']}/{row['needles_of']} | "
                      f"{row['passkey']}/{row['passkey_of']} | {row['recall']:.3f} | {row['read']:.3f} | "
-                     f"{row['lookup']:.3f} | {row['kl']:.4f} |")
+                     f"{row['lookup']:.3f} | {row['read'] + row['lookup']:.3f} | {row['kl']:.4f} |")
     return "\n".join(lines)
 
 
