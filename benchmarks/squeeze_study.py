@@ -1,0 +1,471 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Issue 33's mapping question, on the CPU: which key selection on duo's retrieval heads gives the better accuracy
+per key read at decode, Squeezed Attention's token-level K-means clusters or page-level summaries (LServe, Quest)?
+
+SmolLM2-135M-Instruct in float32 through Hugging Face transformers. Each prompt (the eval's two families, a seed
+the eval's reported numbers do not use) is prefilled with duo: retrieval heads causal-full, streaming heads
+Λ-masked (sink + recent). Its reference answer (" " and the key's five digits) is then teacher-forced as decode
+steps; at those steps only, each retrieval KV head attends to the sink, the window (the prompt's last pages from
+`ctx_end` = the page-aligned start of its last `recent` tokens, plus the answer so far) and the keys that a method
+selects from the selectable context [sink, ctx_end); streaming heads stay Λ-masked. One selection per KV head and
+decode step, shared by its GQA group's query heads. A prompt is a hit when the argmax at every answer position is
+the teacher token (the first one comes from the prefill, which no method changes).
+
+Methods, each at budgets of 1/16, 1/8, 1/4 of the selectable keys (per layer, retrieval KV head and step):
+  oracle       the budget's top tokens by exact attention probability summed over the group's query heads
+  squeeze-cN   Squeezed Attention, 1 level: spherical K-means (k-means++ init) over the normalized selectable keys,
+               n/N clusters; centroid = mean of the cluster's raw keys (as the authors' code); per query head
+               Eq. 1, S_i = exp(q.C_i) / sum_j N_j exp(q.C_j); clusters taken by S_i until the budget is met
+  pageP-mean   P-token pages of the paged cache (absolute positions), summary = the page's mean key, scored as Eq. 1
+  pageP-quest  P-token pages, Quest's bound sum_c max(q_c max_c, q_c min_c), normalized as Eq. 1
+GQA: `max` ranks a unit by the largest S_i of the group's query heads, `sum` by their sum (clusters only: on
+pages the two differed by at most one hit in a first trial). Units are taken in score
+order while the keys taken so far are under the budget (the last unit may overshoot it: the keys actually read are
+reported). Bounds: `duo` (every selectable key: the served duo) and `sink+recent` (none).
+
+Reported per method and budget: hits per family, recall of the exact attention mass over the selectable region
+(per layer, retrieval KV head and step: selected mass / region mass, summed over the group's query heads, then the
+mean), keys read / selectable keys, the lookup's reads (summary vectors / selectable keys), the mean KL divergence
+of the decode steps' next-token distributions from duo's; and the K-means time and centroid memory.
+
+  PYTHONPATH=/tmp/duo-overlay DUO_ROOT=$PWD HF_HUB_OFFLINE=1 python benchmarks/squeeze_study.py --prompts 40 --seed 7
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_duo.pattern import resolve_pattern
+from vllm_duo.tools import smollm2
+from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, needle_prompt
+from vllm_duo.tools.accuracy.passkey import classic_passkey_text
+from vllm_duo.tools.accuracy.training import _Mixing
+from vllm_duo.tools.bench.machine import machine_info, now
+
+ATTENTION = "duo_squeeze_study"
+PAGE = 16  # vLLM's block size: the selectable region starts and ends on a page boundary
+NEEDLE_CONTEXTS = (2000, 3000, 4000, 5000, 6000)
+PASSKEY_REPEATS = (80, 130, 180, 230, 280)  # 2.0k-6.8k tokens on SmolLM2
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+BUDGETS = (16, 8, 4)  # budget = selectable keys / this
+CLUSTERS = (16, 64)  # K-means clusters = selectable keys / this
+PAGES = (16, 64)
+AGGREGATES = ("max", "sum")
+
+
+@dataclass
+class Units:
+    """A retrieval layer's selectable keys grouped into units (clusters or pages), per retrieval KV head:
+    labels [h, n] (unit of each key), sizes [h, U], and the summaries the score reads."""
+
+    labels: torch.Tensor
+    sizes: torch.Tensor
+    mean: torch.Tensor | None = None  # [h, U, d]
+    high: torch.Tensor | None = None  # Quest's per-channel max and min [h, U, d]
+    low: torch.Tensor | None = None
+
+    def scores(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Per query head, the unit's estimated log attention logit: q.mean, or Quest's upper bound. q [h, g, A, d]
+        -> [h, g, A, U]."""
+        if self.mean is not None:
+            return torch.einsum("hgad,hud->hgau", q, self.mean) * scale
+        qe = q[:, :, :, None, :]  # [h, g, A, 1, d]
+        return torch.maximum(qe * self.high[:, None, None], qe * self.low[:, None, None]).sum(-1) * scale
+
+
+def spherical_kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Cosine K-means of [h, n, d] keys (each head its own), k-means++ seeding on 1 - cos; returns labels [h, n]
+    and the Lloyd iterations run (stops early when no label changes)."""
+    h, n, _ = x.shape
+    x = F.normalize(x, dim=-1)
+    rows = torch.arange(h)
+    centres = torch.empty(h, k, x.shape[-1])
+    first = torch.randint(n, (h,), generator=generator)
+    centres[:, 0] = x[rows, first]
+    distance = (1 - torch.einsum("hnd,hd->hn", x, centres[:, 0])).clamp_min(0)
+    for j in range(1, k):  # k-means++: the next centre drawn with probability proportional to the distance
+        weights = distance + 1e-12
+        pick = torch.multinomial(weights, 1, generator=generator)[:, 0]
+        centres[:, j] = x[rows, pick]
+        distance = torch.minimum(distance, (1 - torch.einsum("hnd,hd->hn", x, centres[:, j])).clamp_min(0))
+    labels, done = None, 0
+    for done in range(1, iters + 1):
+        new = torch.einsum("hnd,hkd->hnk", x, centres).argmax(-1)
+        if labels is not None and torch.equal(new, labels):
+            break
+        labels = new
+        sums = torch.zeros_like(centres).scatter_add_(1, labels[:, :, None].expand_as(x), x)
+        filled = torch.zeros(h, k).scatter_add_(1, labels, torch.ones(h, n)) > 0
+        centres = torch.where(filled[:, :, None], F.normalize(sums, dim=-1), centres)  # an empty cluster keeps its
+    return labels, done
+
+
+def cluster_units(keys: torch.Tensor, labels: torch.Tensor, k: int) -> Units:
+    """Units from K-means labels: the centroid of each cluster is the mean of its raw (not normalized) keys."""
+    h, n, d = keys.shape
+    sizes = torch.zeros(h, k).scatter_add_(1, labels, torch.ones(h, n))
+    sums = torch.zeros(h, k, d).scatter_add_(1, labels[:, :, None].expand(h, n, d), keys)
+    return Units(labels=labels, sizes=sizes, mean=sums / sizes.clamp_min(1)[:, :, None])
+
+
+def page_units(keys: torch.Tensor, sink: int, page: int, kind: str) -> Units:
+    """Units of `page` consecutive absolute positions (the selectable region starts at `sink`, a page multiple);
+    the last page may be partial. Summary: the mean key, or Quest's per-channel max and min."""
+    h, n, d = keys.shape
+    positions = torch.arange(sink, sink + n)
+    labels = (positions // page - sink // page).expand(h, n).contiguous()
+    count = int(labels[0, -1]) + 1
+    sizes = torch.zeros(h, count).scatter_add_(1, labels, torch.ones(h, n))
+    index = labels[:, :, None].expand(h, n, d)
+    if kind == "mean":
+        sums = torch.zeros(h, count, d).scatter_add_(1, index, keys)
+        return Units(labels=labels, sizes=sizes, mean=sums / sizes[:, :, None])
+    high = torch.full((h, count, d), -math.inf).scatter_reduce_(1, index, keys, "amax")
+    low = torch.full((h, count, d), math.inf).scatter_reduce_(1, index, keys, "amin")
+    return Units(labels=labels, sizes=sizes, high=high, low=low)
+
+
+@dataclass
+class Method:
+    """One selection rule at one budget (keys = selectable / budget); kind: duo, sink+recent, oracle, or a unit
+    family name (squeeze-cN, pageP-mean, pageP-quest) with a GQA aggregate."""
+
+    kind: str
+    budget: int = 0
+    aggregate: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.kind + (f"/{self.aggregate}" if self.aggregate else "")
+
+
+@dataclass
+class Study:
+    """Passed through the model's forward kwargs to the attention function: the prompt's cached keys and values,
+    the retrieval mask, the units per layer, the method of the current decode run and its statistics."""
+
+    retrieval: torch.Tensor  # [layers, kv heads] bool
+    sink: int
+    recent: int
+    phase: str = "prefill"
+    prompt_len: int = 0
+    ctx_end: int = 0
+    keys: dict = field(default_factory=dict)  # layer -> [kv heads, T, d] buffers
+    values: dict = field(default_factory=dict)
+    units: dict = field(default_factory=dict)  # (unit family, layer) -> Units
+    method: Method | None = None
+    stats: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.mixing = _Mixing(self.sink, self.recent)
+
+
+def study_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, study=None, **kwargs):
+    """Duo attention for the study: at prefill, retrieval heads causal over the whole prompt and streaming heads
+    Λ-masked, caching the prompt's keys and values; at decode (the teacher-forced answer after the prompt), the
+    retrieval heads see sink + window + the current method's selection. The HF mask is ignored."""
+    layer, groups = module.layer_idx, query.shape[1] // key.shape[1]
+    retrieval = study.retrieval[layer]
+    rq = retrieval.repeat_interleave(groups)
+    if study.phase == "prefill":
+        length = key.shape[2]
+        study.keys[layer] = torch.empty(key.shape[1], length + 16, key.shape[3])
+        study.values[layer] = torch.empty_like(study.keys[layer])
+        study.keys[layer][:, :length], study.values[layer][:, :length] = key[0], value[0]
+        out = torch.empty_like(query)
+        k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        if rq.any():
+            out[:, rq] = F.scaled_dot_product_attention(query[:, rq], k[:, rq], v[:, rq], is_causal=True,
+                                                        scale=scaling)
+        if (~rq).any():
+            out[:, ~rq] = study.mixing.streaming(query[:, ~rq], k[:, ~rq], v[:, ~rq], scaling)
+        return out.transpose(1, 2).contiguous(), None
+    return decode_attention(study, layer, query[0], key[0], value[0], scaling, retrieval, groups)
+
+
+def decode_attention(study: Study, layer: int, query, key, value, scale, retrieval, groups):
+    """The decode steps [heads, A, d] over the cached prompt and the answer so far, with the method's selection."""
+    prompt, steps = study.prompt_len, query.shape[1]
+    total = prompt + steps
+    study.keys[layer][:, prompt:total], study.values[layer][:, prompt:total] = key, value
+    keys, values = study.keys[layer][:, :total], study.values[layer][:, :total]
+    heads, kv_heads = query.shape[0], keys.shape[0]
+    logits = torch.einsum("had,htd->hat", query, keys.repeat_interleave(groups, 0)) * scale
+    q_pos = torch.arange(prompt, total)[:, None]
+    k_pos = torch.arange(total)[None, :]
+    causal = k_pos <= q_pos  # [A, T]
+    streaming_view = causal & ((k_pos < study.sink) | (k_pos > q_pos - study.recent))
+    allowed = streaming_view.expand(heads, steps, total).clone()
+    if retrieval.any():
+        sink, end = study.sink, study.ctx_end
+        r_index = retrieval.nonzero()[:, 0]
+        q_r = query.view(kv_heads, groups, steps, -1)[r_index]  # [h, g, A, d]
+        full = torch.softmax(logits.masked_fill(~causal, -math.inf), -1).view(kv_heads, groups, steps, total)
+        region_p = full[r_index][..., sink:end].sum(1)  # [h, A, n]: the group's exact mass per selectable key
+        selected, read, lookup = select(study, layer, q_r, region_p, scale)
+        base = causal & ((k_pos < sink) | (k_pos >= end))
+        view = base.expand(len(r_index), steps, total).clone()
+        view[..., sink:end] |= selected
+        rq_index = (r_index[:, None] * groups + torch.arange(groups)).flatten()
+        allowed[rq_index] = view.repeat_interleave(groups, 0)
+        mass = region_p.sum(-1)
+        recall = (region_p * selected).sum(-1) / mass.clamp_min(1e-30)
+        n = end - sink
+        stats = study.stats
+        stats["recall"] = stats.get("recall", 0.0) + float(recall.sum())
+        stats["read"] = stats.get("read", 0.0) + float(read.sum()) / n
+        stats["count"] = stats.get("count", 0) + recall.numel()
+        stats["lookup"] = lookup / n
+    probs = torch.softmax(logits.masked_fill(~allowed, -math.inf), -1)
+    out = torch.einsum("hat,htd->had", probs, values.repeat_interleave(groups, 0))
+    return out.transpose(0, 1)[None].contiguous(), None
+
+
+def select(study: Study, layer: int, q: torch.Tensor, region_p: torch.Tensor, scale: float):
+    """The selected selectable keys [h, A, n] (bool) of the current method, the keys read [h, A] and the summary
+    vectors the lookup reads per head."""
+    method, (h, steps, n) = study.method, region_p.shape
+    if method.kind == "duo":
+        return torch.ones(h, steps, n, dtype=torch.bool), torch.full((h, steps), float(n)), 0
+    if method.kind == "sink+recent":
+        return torch.zeros(h, steps, n, dtype=torch.bool), torch.zeros(h, steps), 0
+    budget = max(1, round(n / method.budget))
+    if method.kind == "oracle":
+        top = region_p.topk(budget, -1).indices
+        chosen = torch.zeros(h, steps, n, dtype=torch.bool).scatter_(-1, top, True)
+        return chosen, torch.full((h, steps), float(budget)), 0
+    units = study.units[(method.kind, layer)]
+    sizes = units.sizes[:, None, :].expand(h, steps, -1)  # [h, A, U]
+    estimate = units.scores(q, scale).masked_fill(sizes[:, None] == 0, -math.inf)
+    log_s = estimate - torch.logsumexp(estimate + sizes[:, None].log(), -1, keepdim=True)  # Eq. 1, per head
+    score = log_s.amax(1) if method.aggregate == "max" else torch.logsumexp(log_s, 1)
+    order = score.argsort(-1, descending=True)
+    ranked = sizes.gather(-1, order)
+    take = (ranked.cumsum(-1) - ranked) < budget
+    chosen_units = torch.zeros_like(take).scatter_(-1, order, take)
+    chosen = chosen_units.gather(-1, units.labels[:, None, :].expand(h, steps, n))
+    vectors = units.sizes.shape[1] * (2 if units.high is not None else 1)
+    return chosen, (chosen_units * sizes).sum(-1), vectors
+
+
+@dataclass
+class Prompt:
+    family: str
+    input_ids: list[int]
+    answer: list[int]
+    key: str
+    needle_start: int
+    depth: float
+
+
+def make_prompts(tokenizer, count: int, seed: int, sink: int, recent: int) -> list[Prompt]:
+    """`count` prompts per family, lengths and depths cycling over the grids; seeded as the eval seeds its cells.
+    needles: needles.needle_prompt (plain template), phrasing and haystack cycling; passkey: the classic test."""
+    prompts = []
+    haystacks = tuple(HAYSTACKS)
+    for i in range(count):
+        context, depth = NEEDLE_CONTEXTS[i % len(NEEDLE_CONTEXTS)], DEPTHS[(i // len(NEEDLE_CONTEXTS)) % len(DEPTHS)]
+        rng = random.Random(f"{seed}/{context}/{depth}/{i}")
+        p = needle_prompt(tokenizer, context, rng, depth, NEEDLES[DEFAULT_NEEDLES[i % len(DEFAULT_NEEDLES)]],
+                          HAYSTACKS[haystacks[i % len(haystacks)]], chat=False, sink=sink, recent=recent)
+        answer = tokenizer(" " + p.key, add_special_tokens=False).input_ids
+        prompts.append(Prompt("needles", p.input_ids, answer, p.key, p.needle.start, depth))
+    for i in range(count):
+        repeats = PASSKEY_REPEATS[i % len(PASSKEY_REPEATS)]
+        rng = random.Random(f"{seed}/passkey/{repeats}/{i}")
+        depth = round(rng.uniform(min(DEPTHS), max(DEPTHS)), 4)
+        key = str(rng.randint(10000, 99999))
+        text, needle_at = classic_passkey_text(repeats, depth, key)
+        encoded = tokenizer(text, return_offsets_mapping=True)
+        needle_start = next(j for j, (_, end) in enumerate(encoded.offset_mapping) if end > needle_at)
+        answer = tokenizer(" " + key, add_special_tokens=False).input_ids
+        prompts.append(Prompt("passkey", encoded.input_ids, answer, key, needle_start, depth))
+    return prompts
+
+
+def unit_families() -> list[str]:
+    return ([f"squeeze-c{c}" for c in CLUSTERS] + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
+
+
+def methods() -> list[Method]:
+    listed = [Method("duo"), Method("sink+recent")]
+    for budget in BUDGETS:
+        listed.append(Method("oracle", budget))
+        listed += [Method(kind, budget, agg) for kind in unit_families()
+                   for agg in (AGGREGATES if kind.startswith("squeeze") else AGGREGATES[:1])]
+    return listed
+
+
+def build_units(study: Study, iters: int, generator: torch.Generator) -> dict:
+    """Clusters and pages of every retrieval head's selectable keys; K-means batched over all retrieval heads of
+    the prompt (the regions have one length). Returns the K-means timings."""
+    sink, end = study.sink, study.ctx_end
+    layers = [layer for layer in range(study.retrieval.shape[0]) if study.retrieval[layer].any()]
+    per_layer = {layer: study.keys[layer][study.retrieval[layer], sink:end] for layer in layers}
+    for layer, keys in per_layer.items():
+        for page in PAGES:
+            for kind in ("mean", "quest"):
+                study.units[(f"page{page}-{kind}", layer)] = page_units(keys, sink, page, kind)
+    stacked = torch.cat([per_layer[layer] for layer in layers])  # [all retrieval heads, n, d]
+    n, timing = stacked.shape[1], {}
+    for c in CLUSTERS:
+        k = max(1, n // c)
+        start = time.perf_counter()
+        labels, done = spherical_kmeans(stacked, k, iters, generator)
+        seconds = time.perf_counter() - start
+        offset = 0
+        for layer in layers:
+            h = per_layer[layer].shape[0]
+            study.units[(f"squeeze-c{c}", layer)] = cluster_units(per_layer[layer], labels[offset:offset + h], k)
+            offset += h
+        timing[f"squeeze-c{c}"] = {"clusters": k, "iterations": done, "seconds": round(seconds, 3),
+                                   "seconds_per_head": round(seconds / stacked.shape[0], 4)}
+    return timing
+
+
+def run_prompt(model, study: Study, prompt: Prompt, iters: int, generator: torch.Generator) -> dict:
+    """Prefill once, build the units, then one teacher-forced decode pass per method."""
+    ids = torch.tensor([prompt.input_ids])
+    length, answer = len(prompt.input_ids), prompt.answer
+    study.phase, study.prompt_len, study.keys, study.values, study.units = "prefill", length, {}, {}, {}
+    study.ctx_end = (length - study.recent) // PAGE * PAGE
+    start = time.perf_counter()
+    with torch.no_grad():
+        first = model(input_ids=ids, use_cache=False, study=study, logits_to_keep=1).logits[0, -1]
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    kmeans = build_units(study, iters, generator)
+    units_s = time.perf_counter() - start
+    study.phase = "decode"
+    steps = torch.tensor([answer[:-1]])
+    positions = torch.arange(length, length + len(answer) - 1)[None]
+    first_ok = int(first.argmax()) == answer[0]
+    runs, reference = {}, None
+    start = time.perf_counter()
+    for method in methods():
+        study.method, study.stats = method, {}
+        with torch.no_grad():
+            logits = model(input_ids=steps, position_ids=positions, use_cache=False, study=study).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        if reference is None:
+            reference = logp  # duo runs first
+        hit = first_ok and logits.argmax(-1).tolist() == answer[1:]
+        count = max(study.stats.get("count", 0), 1)
+        kl = float((reference.exp() * (reference - logp)).sum(-1).mean())
+        runs[f"{method.name}@{method.budget}"] = {
+            "hit": hit, "recall": study.stats.get("recall", 0.0) / count, "read": study.stats.get("read", 0.0) / count,
+            "lookup": study.stats.get("lookup", 0.0), "kl": kl}
+    decode_s = time.perf_counter() - start
+    return {"family": prompt.family, "tokens": length, "depth": prompt.depth, "needle_start": prompt.needle_start,
+            "ctx_end": study.ctx_end, "selectable": study.ctx_end - study.sink, "key": prompt.key,
+            "needle_selectable": study.sink <= prompt.needle_start < study.ctx_end, "kmeans": kmeans,
+            "seconds": {"prefill": round(prefill_s, 2), "units": round(units_s, 2), "decode": round(decode_s, 2)},
+            "runs": runs}
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per method and budget: hits per family, mean recall, keys read and lookup reads, KL."""
+    rows = []
+    for method in methods():
+        key = f"{method.name}@{method.budget}"
+        row = {"method": method.name, "budget": method.budget}
+        for family in ("needles", "passkey"):
+            mine = [r["runs"][key] for r in records if r["family"] == family]
+            row[family] = sum(m["hit"] for m in mine)
+            row[f"{family}_of"] = len(mine)
+        every = [r["runs"][key] for r in records]
+        for stat in ("recall", "read", "lookup", "kl"):
+            row[stat] = sum(m[stat] for m in every) / max(len(every), 1)
+        rows.append(row)
+    return rows
+
+
+def kmeans_cost(records: list[dict]) -> dict:
+    """Mean K-means seconds per retrieval head and Lloyd iterations, per cluster count, and the centroid memory
+    per head (bf16 centroids + int32 labels) against the head's bf16 K and V of the selectable region."""
+    cost = {}
+    for c in CLUSTERS:
+        times = [r["kmeans"][f"squeeze-c{c}"] for r in records]
+        cost[f"squeeze-c{c}"] = {
+            "seconds_per_head_mean": sum(t["seconds_per_head"] for t in times) / len(times),
+            "iterations_mean": sum(t["iterations"] for t in times) / len(times),
+            "selectable_mean": sum(r["selectable"] for r in records) / len(records),
+            "memory_vs_kv": (2 * 64 / c + 4) / (2 * 2 * 64)}
+    return cost
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: method x budget."""
+    lines = ["| method | budget | needles hits | passkey hits | mass recall | keys read | lookup reads "
+             "| total reads | KL vs duo |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        budget = f"1/{row['budget']}" if row["budget"] else ("all" if row["method"] == "duo" else "0")
+        lines.append(f"| {row['method']} | {budget} | {row['needles']}/{row['needles_of']} | "
+                     f"{row['passkey']}/{row['passkey_of']} | {row['recall']:.3f} | {row['read']:.3f} | "
+                     f"{row['lookup']:.3f} | {row['read'] + row['lookup']:.3f} | {row['kl']:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=40, help="prompts per family")
+    parser.add_argument("--seed", type=int, default=7, help="prompt seed (the eval reports seed 0)")
+    parser.add_argument("--out", default="benchmarks/results/2026-11-26-cpu-squeeze-study", help="results folder")
+    parser.add_argument("--model", default=None, help="HF folder (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--pattern", default=None, help="head pattern (default: the model's bundled one)")
+    parser.add_argument("--sparsity", type=float, default=0.5)
+    parser.add_argument("--kmeans-iters", type=int, default=20, help="Lloyd iterations at most")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoTokenizer
+    import transformers
+
+    model_dir = args.model or str(smollm2.prepare())
+    pattern, pattern_source = resolve_pattern(args.pattern, model_dir)
+    retrieval = torch.tensor(pattern.retrieval_mask_at(args.sparsity), dtype=torch.bool)
+    AttentionInterface.register(ATTENTION, study_attention)
+    AttentionMaskInterface.register(ATTENTION, lambda *a, **k: None)  # the attention function builds its own
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
+    model.eval()
+    study = Study(retrieval=retrieval, sink=pattern.sink, recent=pattern.recent)
+    prompts = make_prompts(tokenizer, args.prompts, args.seed, pattern.sink, pattern.recent)
+    prompts = [p for pair in zip(prompts[:args.prompts], prompts[args.prompts:]) for p in pair]  # alternate families
+    generator = torch.Generator().manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records, started, wall, machine = [], now(), time.perf_counter(), machine_info()
+    for i, prompt in enumerate(prompts):
+        record = run_prompt(model, study, prompt, args.kmeans_iters, generator)
+        records.append(record)
+        duo = record["runs"]["duo@0"]["hit"]
+        print(f"[{i + 1}/{len(prompts)}] {prompt.family} {record['tokens']} tokens duo hit {duo} "
+              f"{record['seconds']} {time.perf_counter() - wall:.0f}s", file=sys.stderr, flush=True)
+        results = {"command": " ".join(["python", "benchmarks/squeeze_study.py", *(argv or sys.argv[1:])]),
+                   "started": started, "wall_s": round(time.perf_counter() - wall, 1), "machine": machine,
+                   "transformers_version": transformers.__version__, "python": platform.python_version(),
+                   "threads": args.threads, "pattern": pattern_source, "sparsity": args.sparsity,
+                   "retrieval_kv_heads": int(retrieval.sum()), "sink": pattern.sink, "recent": pattern.recent,
+                   "kmeans_iters": args.kmeans_iters, "summary": summarize(records), "kmeans": kmeans_cost(records),
+                   "records": records}
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    rows = summarize(records)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
