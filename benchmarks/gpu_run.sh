@@ -7,6 +7,8 @@ export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFE
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=/tmp/duo-work; mkdir -p $WORK   # many files: each stage tars its folder into $OUT (8 files come back)
 DEADLINE=${DEADLINE:-570}  # seconds of this script that bench parts may use (a device command stops at 600)
+# an eval engine's share of the GPU, so that evals run side by side (no spaces: it travels in EVAL_ARGS)
+EVAL_ENGINE='{"gpu_memory_utilization":0.25,"kv_cache_memory_bytes":4000000000}'
 bench() {  # bench NAME ARGS...: vllm-duo bench, dense vs duo, Llama-3.1-8B shape with dummy weights, into $WORK/NAME
   local name=$1; shift
   timeout $((DEADLINE - SECONDS)) python3 -m vllm_duo.tools.cli bench --model /tmp/llama8b --tokenizer /tmp/smol \
@@ -95,6 +97,26 @@ for stage in "$@"; do
         --pattern ${EVAL_PATTERN:-SmolLM2-135M-Instruct} --out $WORK/$name ${EVAL_ARGS:-} 2>&1 \
         | tee "$OUT/$name.log" | tail -20
       tar czf "$OUT/$name.tgz" -C $WORK "$name" ;;
+    mask_round)  # issue 31 in one call: a mask fine-tuned for sparsity TARGET (0.25) from the bundled pattern per seed
+      # of SEEDS (all at once, STEPS steps), then each evaluated at once (full and duoXX, both families, EVAL_SEED 0:
+      # the tuning prompts; seeds 1 and 2 are held out), each engine in a quarter of the GPU; patterns and evals
+      # into $OUT. A seed's eval needs its pattern: a failed fine-tune shows in its log, and its eval is skipped.
+      pct=$(python3 -c "print(round(${TARGET:-0.25} * 100))")
+      for seed in ${SEEDS:-44 45}; do
+        dir=$WORK/identify-mask$pct-$seed; mkdir -p $dir
+        timeout $((DEADLINE - SECONDS - 240)) python3 -m vllm_duo.tools.cli identify --model /tmp/smol \
+          --steps ${STEPS:-500} --target-sparsity ${TARGET:-0.25} --init-pattern SmolLM2-135M-Instruct \
+          --repeated-haystack 0.5 --seed $seed -o $dir/SmolLM2-135M-Instruct.json > $dir/identify.log 2>&1 &
+      done; wait
+      for seed in ${SEEDS:-44 45}; do
+        dir=$WORK/identify-mask$pct-$seed; mkdir -p "$OUT/${dir##*/}"; cp $dir/* "$OUT/${dir##*/}/"
+        tr '\r' '\n' < $dir/identify.log | grep -v "^identify: .*[0-9]%|" | tail -3 | cut -c1-200
+        [ -f $dir/SmolLM2-135M-Instruct.json ] || continue
+        INSTALLED=1 DEADLINE=$((DEADLINE - SECONDS)) EVAL_NAME=mask$pct-$seed-seed${EVAL_SEED:-0} \
+          EVAL_PATTERN=$dir/SmolLM2-135M-Instruct.json \
+          EVAL_ARGS="--methods full duo$pct --seed ${EVAL_SEED:-0} --engine-args $EVAL_ENGINE" \
+          bash benchmarks/gpu_run.sh eval > $WORK/eval-mask$pct-$seed.out 2>&1 &
+      done; wait; tail -n 4 $WORK/eval-mask$pct-*.out ;;
     serve)  # tests/test_server.py through `vllm serve` (on CUDA it launches that; the carried vLLM is unpacked, not
       # pip-installed, so its console script is written here: the same two lines pip would write)
       mkdir -p /tmp/bin && printf '#!/usr/bin/env python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' > /tmp/bin/vllm
