@@ -102,8 +102,7 @@ def _lloyd(keys: torch.Tensor, lengths: torch.Tensor, k: int, iters: int, init: 
     `nearest(units, centres)` assigns each unit key to one of its group's centres. Returns centroids `[G, K, D]`
     float32 (mean raw key), sizes `[G, K]` int32, labels `[N]` in [0, K) and the iterations run."""
     G, (N, D), device = len(lengths), keys.shape, keys.device
-    raw = keys.float()
-    units = F.normalize(raw, dim=-1)
+    units = F.normalize(keys.float(), dim=-1)
     starts = lengths.cumsum(0) - lengths
     generator = torch.Generator(device=device).manual_seed(seed)
     if isinstance(init, torch.Tensor):
@@ -127,7 +126,7 @@ def _lloyd(keys: torch.Tensor, lengths: torch.Tensor, k: int, iters: int, init: 
         labels = nearest(units, centres)
     sizes = torch.zeros(G * k, dtype=torch.int32, device=device).index_add_(
         0, row + labels, torch.ones(N, dtype=torch.int32, device=device)).view(G, k)
-    sums = torch.zeros(G * k, D, device=device).index_add_(0, row + labels, raw).view(G, k, D)
+    sums = torch.zeros(G * k, D, device=device).index_add_(0, row + labels, keys.float()).view(G, k, D)
     return sums / sizes.clamp_min(1)[..., None], sizes, labels, done
 
 
