@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Plain PyTorch references of the sparse retrieval decode (sparse_decode.py) and its selection (selection.py):
-request by request and head by head, in float32, as Squeezed Attention (Eq. 1) and Quest state them. The layout
-and the fp8 storage are reference.py's.
+"""Plain PyTorch references of the sparse retrieval decode (sparse_decode.py), its selection (selection.py) and the
+clustering of the keys (clustering.py): request by request, head by head and key by key, in float32, as Squeezed
+Attention (Eq. 1) and Quest state them. The layout and the fp8 storage are reference.py's.
 """
 
 from __future__ import annotations
@@ -138,3 +138,44 @@ def select_pages(scores: torch.Tensor, seq_lens: list[int], block_size: int, sin
             selected[i, r, :len(pos)] = torch.tensor(pos, dtype=torch.int32)
             counts[i, r] = len(pos)
     return selected, counts
+
+
+def cluster_keys(keys: torch.Tensor, centres: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor, int]:
+    """`clustering.cluster_keys` from given initial centres `[H, C, D]`: spherical Lloyd iterations head by head and
+    key by key (stop when no label changes), then each cluster's mean raw key. Returns centroids `[H, C, D]`,
+    sizes `[H, C]`, labels `[H, T]` and the iterations run."""
+    H, T, D = keys.shape
+    C = centres.shape[1]
+    units = keys.float() / keys.float().norm(dim=-1, keepdim=True)
+    centroids, sizes, labels = torch.zeros(H, C, D), torch.zeros(H, C, dtype=torch.int32), torch.zeros(H, T).long()
+    done = 0
+    for h in range(H):
+        centre = centres[h].float() / centres[h].float().norm(dim=-1, keepdim=True)
+        label = None
+        for step in range(1, iters + 1):
+            new = torch.tensor([int(torch.argmax(centre @ units[h, t])) for t in range(T)])
+            if label is not None and torch.equal(new, label):
+                break
+            label = new
+            for c in range(C):
+                if (label == c).any():
+                    total = units[h][label == c].sum(0)
+                    centre[c] = total / total.norm()
+        done = max(done, step)
+        labels[h] = label
+        for c in range(C):
+            sizes[h, c] = int((label == c).sum())
+            if sizes[h, c]:
+                centroids[h, c] = keys[h][label == c].float().mean(0)
+    return centroids, sizes, labels, done
+
+
+def to_csr(labels: torch.Tensor, num_clusters: int, positions_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`clustering.to_csr` head by head and cluster by cluster."""
+    offsets, positions = [], []
+    for row in labels.tolist():
+        members = [[positions_offset + t for t, label in enumerate(row) if label == c] for c in range(num_clusters)]
+        offsets.append([0] + [sum(len(m) for m in members[:c + 1]) for c in range(num_clusters)])
+        positions.append([p for m in members for p in m])
+    return torch.tensor(offsets, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32)
