@@ -13,9 +13,9 @@ the teacher token (the first one comes from the prefill, which no method changes
 
 Methods, each at budgets of 1/16, 1/8, 1/4 of the selectable keys (per layer, retrieval KV head and step):
   oracle       the budget's top tokens by exact attention probability summed over the group's query heads
-  squeeze-cN   Squeezed Attention, 1 level: spherical K-means (k-means++ init) over the normalized selectable keys,
-               n/N clusters; centroid = mean of the cluster's raw keys (as the authors' code); per query head
-               Eq. 1, S_i = exp(q.C_i) / sum_j N_j exp(q.C_j); clusters taken by S_i until the budget is met
+  squeeze-cN   Squeezed Attention, 1 level: spherical K-means (k-means++ init, kernels/clustering.py) over the
+               selectable keys, n/N clusters; centroid = mean of the cluster's raw keys (as the authors' code); per
+               query head Eq. 1, S_i = exp(q.C_i) / sum_j N_j exp(q.C_j); clusters taken by S_i until the budget is met
   pageP-mean   P-token pages of the paged cache (absolute positions), summary = the page's mean key, scored as Eq. 1
   pageP-quest  P-token pages, Quest's bound sum_c max(q_c max_c, q_c min_c), normalized as Eq. 1
 GQA: `max` ranks a unit by the largest S_i of the group's query heads, `sum` by their sum (clusters only: on
@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vllm_duo.kernels.clustering import cluster_keys
 from vllm_duo.pattern import resolve_pattern
 from vllm_duo.tools import smollm2
 from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, needle_prompt
@@ -81,41 +82,6 @@ class Units:
             return torch.einsum("hgad,hud->hgau", q, self.mean) * scale
         qe = q[:, :, :, None, :]  # [h, g, A, 1, d]
         return torch.maximum(qe * self.high[:, None, None], qe * self.low[:, None, None]).sum(-1) * scale
-
-
-def spherical_kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
-    """Cosine K-means of [h, n, d] keys (each head its own), k-means++ seeding on 1 - cos; returns labels [h, n]
-    and the Lloyd iterations run (stops early when no label changes)."""
-    h, n, _ = x.shape
-    x = F.normalize(x, dim=-1)
-    rows = torch.arange(h)
-    centres = torch.empty(h, k, x.shape[-1])
-    first = torch.randint(n, (h,), generator=generator)
-    centres[:, 0] = x[rows, first]
-    distance = (1 - torch.einsum("hnd,hd->hn", x, centres[:, 0])).clamp_min(0)
-    for j in range(1, k):  # k-means++: the next centre drawn with probability proportional to the distance
-        weights = distance + 1e-12
-        pick = torch.multinomial(weights, 1, generator=generator)[:, 0]
-        centres[:, j] = x[rows, pick]
-        distance = torch.minimum(distance, (1 - torch.einsum("hnd,hd->hn", x, centres[:, j])).clamp_min(0))
-    labels, done = None, 0
-    for done in range(1, iters + 1):
-        new = torch.einsum("hnd,hkd->hnk", x, centres).argmax(-1)
-        if labels is not None and torch.equal(new, labels):
-            break
-        labels = new
-        sums = torch.zeros_like(centres).scatter_add_(1, labels[:, :, None].expand_as(x), x)
-        filled = torch.zeros(h, k).scatter_add_(1, labels, torch.ones(h, n)) > 0
-        centres = torch.where(filled[:, :, None], F.normalize(sums, dim=-1), centres)  # an empty cluster keeps its
-    return labels, done
-
-
-def cluster_units(keys: torch.Tensor, labels: torch.Tensor, k: int) -> Units:
-    """Units from K-means labels: the centroid of each cluster is the mean of its raw (not normalized) keys."""
-    h, n, d = keys.shape
-    sizes = torch.zeros(h, k).scatter_add_(1, labels, torch.ones(h, n))
-    sums = torch.zeros(h, k, d).scatter_add_(1, labels[:, :, None].expand(h, n, d), keys)
-    return Units(labels=labels, sizes=sizes, mean=sums / sizes.clamp_min(1)[:, :, None])
 
 
 def page_units(keys: torch.Tensor, sink: int, page: int, kind: str) -> Units:
@@ -321,14 +287,16 @@ def build_units(study: Study, iters: int, generator: torch.Generator) -> dict:
     for c in CLUSTERS:
         k = max(1, n // c)
         start = time.perf_counter()
-        labels, done = spherical_kmeans(stacked, k, iters, generator)
+        clusters = cluster_keys(stacked, k, iters, seed=int(torch.randint(2 ** 31, (), generator=generator)))
         seconds = time.perf_counter() - start
         offset = 0
         for layer in layers:
-            h = per_layer[layer].shape[0]
-            study.units[(f"squeeze-c{c}", layer)] = cluster_units(per_layer[layer], labels[offset:offset + h], k)
-            offset += h
-        timing[f"squeeze-c{c}"] = {"clusters": k, "iterations": done, "seconds": round(seconds, 3),
+            heads = slice(offset, offset + per_layer[layer].shape[0])
+            study.units[(f"squeeze-c{c}", layer)] = Units(labels=clusters.labels[heads],
+                                                          sizes=clusters.sizes[heads].float(),
+                                                          mean=clusters.centroids[heads])
+            offset = heads.stop
+        timing[f"squeeze-c{c}"] = {"clusters": k, "iterations": clusters.iterations, "seconds": round(seconds, 3),
                                    "seconds_per_head": round(seconds / stacked.shape[0], 4)}
     return timing
 
