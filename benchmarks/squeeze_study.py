@@ -448,7 +448,7 @@ def kmeans_cost(records: list[dict]) -> dict:
 def table(rows: list[dict]) -> str:
     """Markdown: method x budget."""
     lines = ["| method | budget | needles hits | passkey hits | mass recall | keys read | partial share "
-             "| lookup reads | total reads | KL |",
+             "| lookups | total reads | KL |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         budget = f"1/{row['budget']}" if row["budget"] else ("all" if row["method"] == "duo" else "0")
