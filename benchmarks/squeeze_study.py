@@ -16,17 +16,24 @@ Methods, each at budgets of 1/16, 1/8, 1/4 of the selectable keys (per layer, re
   squeeze-cN   Squeezed Attention, 1 level: spherical K-means (k-means++ init, kernels/clustering.py) over the
                selectable keys, n/N clusters; centroid = mean of the cluster's raw keys (as the authors' code); per
                query head Eq. 1, S_i = exp(q.C_i) / sum_j N_j exp(q.C_j); clusters taken by S_i until the budget is met
+  squeeze-c16-chunkS  the same K-means per S-token chunk [kS, (k+1)S) of absolute positions (chunk 0 starts at the
+               sink), 1/16 of the chunk's keys as clusters, so a chunk's clusters depend on its tokens only (the
+               clustering vLLM pages can hold); selection stays global: all chunks' centroids scored by Eq. 1
+               together. The partial last chunk (the selectable keys after the last complete chunk) is always read
+               in full, on top of the budget (clusters fill the budget); the whole region when no chunk is complete
   pageP-mean   P-token pages of the paged cache (absolute positions), summary = the page's mean key, scored as Eq. 1
   pageP-quest  P-token pages, Quest's bound sum_c max(q_c max_c, q_c min_c), normalized as Eq. 1
 GQA: `max` ranks a unit by the largest S_i of the group's query heads, `sum` by their sum (clusters only: on
 pages the two differed by at most one hit in a first trial). Units are taken in score
 order while the keys taken so far are under the budget (the last unit may overshoot it: the keys actually read are
-reported). Bounds: `duo` (every selectable key: the served duo) and `sink+recent` (none).
+reported). Bounds: `duo` (every selectable key: the served duo) and `sink+recent` (none). `--methods` keeps only
+the listed method names (duo always runs: the KL reference).
 
 Reported per method and budget: hits per family, recall of the exact attention mass over the selectable region
 (per layer, retrieval KV head and step: selected mass / region mass, summed over the group's query heads, then the
-mean), keys read / selectable keys, the lookup's reads (summary vectors / selectable keys), the mean KL divergence
-of the decode steps' next-token distributions from duo's; and the K-means time and centroid memory.
+mean), keys read / selectable keys (and the share of them that the partial chunk reads), the lookup's reads
+(summary vectors / selectable keys), the mean KL divergence of the decode steps' next-token distributions from
+duo's; and the K-means time and centroid memory.
 
   PYTHONPATH=/tmp/duo-overlay DUO_ROOT=$PWD HF_HUB_OFFLINE=1 python benchmarks/squeeze_study.py --prompts 40 --seed 7
 """
@@ -60,6 +67,8 @@ PASSKEY_REPEATS = (80, 130, 180, 230, 280)  # 2.0k-6.8k tokens on SmolLM2
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 BUDGETS = (16, 8, 4)  # budget = selectable keys / this
 CLUSTERS = (16, 64)  # K-means clusters = selectable keys / this
+CHUNKS = (512, 1024, 2048, 4096)  # squeeze-c16-chunkS: K-means per S-token chunk, chunk keys / 16 clusters
+CHUNK_CLUSTERS = 16
 PAGES = (16, 64)
 AGGREGATES = ("max", "sum")
 
@@ -74,6 +83,7 @@ class Units:
     mean: torch.Tensor | None = None  # [h, U, d]
     high: torch.Tensor | None = None  # Quest's per-channel max and min [h, U, d]
     low: torch.Tensor | None = None
+    always: torch.Tensor | None = None  # [U] bool: units read whatever their score (the partial chunk)
 
     def scores(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Per query head, the unit's estimated log attention logit: q.mean, or Quest's upper bound. q [h, g, A, d]
@@ -178,7 +188,7 @@ def decode_attention(study: Study, layer: int, query, key, value, scale, retriev
         q_r = query.view(kv_heads, groups, steps, -1)[r_index]  # [h, g, A, d]
         full = torch.softmax(logits.masked_fill(~causal, -math.inf), -1).view(kv_heads, groups, steps, total)
         region_p = full[r_index][..., sink:end].sum(1)  # [h, A, n]: the group's exact mass per selectable key
-        selected, read, lookup = select(study, layer, q_r, region_p, scale)
+        selected, read, lookup, forced = select(study, layer, q_r, region_p, scale)
         base = causal & ((k_pos < sink) | (k_pos >= end))
         view = base.expand(len(r_index), steps, total).clone()
         view[..., sink:end] |= selected
@@ -190,6 +200,7 @@ def decode_attention(study: Study, layer: int, query, key, value, scale, retriev
         stats = study.stats
         stats["recall"] = stats.get("recall", 0.0) + float(recall.sum())
         stats["read"] = stats.get("read", 0.0) + float(read.sum()) / n
+        stats["forced"] = stats.get("forced", 0.0) + forced * recall.numel() / n
         stats["count"] = stats.get("count", 0) + recall.numel()
         stats["lookup"] = lookup / n
     probs = torch.softmax(logits.masked_fill(~allowed, -math.inf), -1)
@@ -198,30 +209,33 @@ def decode_attention(study: Study, layer: int, query, key, value, scale, retriev
 
 
 def select(study: Study, layer: int, q: torch.Tensor, region_p: torch.Tensor, scale: float):
-    """The selected selectable keys [h, A, n] (bool) of the current method, the keys read [h, A] and the summary
-    vectors the lookup reads per head."""
+    """The selected selectable keys [h, A, n] (bool) of the current method, the keys read [h, A], the summary
+    vectors the lookup reads per head and the keys per head read whatever the scores (the partial chunk)."""
     method, (h, steps, n) = study.method, region_p.shape
     if method.kind == "duo":
-        return torch.ones(h, steps, n, dtype=torch.bool), torch.full((h, steps), float(n)), 0
+        return torch.ones(h, steps, n, dtype=torch.bool), torch.full((h, steps), float(n)), 0, 0
     if method.kind == "sink+recent":
-        return torch.zeros(h, steps, n, dtype=torch.bool), torch.zeros(h, steps), 0
+        return torch.zeros(h, steps, n, dtype=torch.bool), torch.zeros(h, steps), 0, 0
     budget = max(1, round(n / method.budget))
     if method.kind == "oracle":
         top = region_p.topk(budget, -1).indices
         chosen = torch.zeros(h, steps, n, dtype=torch.bool).scatter_(-1, top, True)
-        return chosen, torch.full((h, steps), float(budget)), 0
+        return chosen, torch.full((h, steps), float(budget)), 0, 0
     units = study.units[(method.kind, layer)]
+    always = torch.zeros(units.sizes.shape[1], dtype=torch.bool) if units.always is None else units.always
     sizes = units.sizes[:, None, :].expand(h, steps, -1)  # [h, A, U]
-    estimate = units.scores(q, scale).masked_fill(sizes[:, None] == 0, -math.inf)
+    estimate = units.scores(q, scale).masked_fill((sizes[:, None] == 0) | always, -math.inf)
     log_s = estimate - torch.logsumexp(estimate + sizes[:, None].log(), -1, keepdim=True)  # Eq. 1, per head
     score = log_s.amax(1) if method.aggregate == "max" else torch.logsumexp(log_s, 1)
+    score = score.masked_fill(always, math.inf)  # taken first
+    forced = float(units.sizes[0, always].sum())
     order = score.argsort(-1, descending=True)
     ranked = sizes.gather(-1, order)
-    take = (ranked.cumsum(-1) - ranked) < budget
+    take = (ranked.cumsum(-1) - ranked) < budget + forced  # the forced keys come on top of the budget
     chosen_units = torch.zeros_like(take).scatter_(-1, order, take)
     chosen = chosen_units.gather(-1, units.labels[:, None, :].expand(h, steps, n))
-    vectors = units.sizes.shape[1] * (2 if units.high is not None else 1)
-    return chosen, (chosen_units * sizes).sum(-1), vectors
+    vectors = int((~always).sum()) * (2 if units.high is not None else 1)
+    return chosen, (chosen_units * sizes).sum(-1), vectors, forced
 
 
 @dataclass
@@ -260,49 +274,105 @@ def make_prompts(tokenizer, count: int, seed: int, sink: int, recent: int) -> li
 
 
 def unit_families() -> list[str]:
-    return ([f"squeeze-c{c}" for c in CLUSTERS] + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
+    return ([f"squeeze-c{c}" for c in CLUSTERS] + [f"squeeze-c{CHUNK_CLUSTERS}-chunk{s}" for s in CHUNKS]
+            + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
 
 
-def methods() -> list[Method]:
+def methods(names: list[str] | None = None) -> list[Method]:
+    """Every method (duo first), or those whose name is in `names` and duo."""
     listed = [Method("duo"), Method("sink+recent")]
     for budget in BUDGETS:
         listed.append(Method("oracle", budget))
         listed += [Method(kind, budget, agg) for kind in unit_families()
                    for agg in (AGGREGATES if kind.startswith("squeeze") else AGGREGATES[:1])]
-    return listed
+    return [m for m in listed if names is None or m.kind == "duo" or m.name in names]
 
 
-def build_units(study: Study, iters: int, generator: torch.Generator) -> dict:
-    """Clusters and pages of every retrieval head's selectable keys; K-means batched over all retrieval heads of
-    the prompt (the regions have one length). Returns the K-means timings."""
+def chunk_units(keys: torch.Tensor, sink: int, size: int, iters: int, seed: int) -> tuple[list[Units], dict]:
+    """squeeze-c16-chunk`size` of the stacked retrieval heads' selectable keys [H, n, d] (from `sink`): K-means of each
+    complete chunk [k size, (k + 1) size) on its own, chunk keys / 16 clusters (chunks 1.. batched as heads, chunk 0
+    shortened by the sink alone), and the partial last chunk one unit read in full. Returns the units per head
+    (one Units of [H, ...]) and the K-means timing."""
+    h, n, d = keys.shape
+    complete = (sink + n) // size  # chunks that end inside the region
+    tail = sink if complete == 0 else complete * size  # the partial chunk's start (absolute)
+    centroids, sizes, labels, seconds, clusters = [], [], [], 0.0, 0
+    pieces = []
+    if complete:
+        pieces.append(keys[:, :size - sink])  # chunk 0
+    if complete > 1:
+        pieces.append(keys[:, size - sink:tail - sink].reshape(h * (complete - 1), size, d))
+    for piece in pieces:
+        chunks = piece.shape[0] // h
+        k = piece.shape[1] // CHUNK_CLUSTERS
+        start = time.perf_counter()
+        result = cluster_keys(piece, k, iters, seed=seed)
+        seconds += time.perf_counter() - start
+        offset = clusters + torch.arange(chunks)[:, None] * k  # each chunk's first unit
+        labels.append((result.labels.view(h, chunks, -1) + offset).reshape(h, -1))
+        centroids.append(result.centroids.view(h, chunks * k, d))
+        sizes.append(result.sizes.view(h, chunks * k).float())
+        clusters += chunks * k
+    partial = sink + n - tail
+    if partial:
+        labels.append(torch.full((h, partial), clusters))
+        centroids.append(keys[:, tail - sink:].mean(1, keepdim=True))
+        sizes.append(torch.full((h, 1), float(partial)))
+    always = torch.zeros(clusters + bool(partial), dtype=torch.bool)
+    always[clusters:] = True
+    units = Units(labels=torch.cat(labels, 1), sizes=torch.cat(sizes, 1), mean=torch.cat(centroids, 1), always=always)
+    timing = {"chunks": complete, "clusters": clusters, "partial": partial, "seconds": round(seconds, 3),
+              "seconds_per_head": round(seconds / h, 4), "seconds_per_chunk": round(seconds / max(h * complete, 1), 5)}
+    return units, timing
+
+
+def build_units(study: Study, families: set[str], iters: int, generator: torch.Generator) -> dict:
+    """The unit families in `families` (clusters and pages) of every retrieval head's selectable keys; K-means
+    batched over all retrieval heads of the prompt (the regions have one length). Returns the K-means timings."""
     sink, end = study.sink, study.ctx_end
     layers = [layer for layer in range(study.retrieval.shape[0]) if study.retrieval[layer].any()]
     per_layer = {layer: study.keys[layer][study.retrieval[layer], sink:end] for layer in layers}
     for layer, keys in per_layer.items():
         for page in PAGES:
             for kind in ("mean", "quest"):
-                study.units[(f"page{page}-{kind}", layer)] = page_units(keys, sink, page, kind)
+                if f"page{page}-{kind}" in families:
+                    study.units[(f"page{page}-{kind}", layer)] = page_units(keys, sink, page, kind)
     stacked = torch.cat([per_layer[layer] for layer in layers])  # [all retrieval heads, n, d]
     n, timing = stacked.shape[1], {}
     for c in CLUSTERS:
+        if f"squeeze-c{c}" not in families:
+            continue
         k = max(1, n // c)
         start = time.perf_counter()
         clusters = cluster_keys(stacked, k, iters, seed=int(torch.randint(2 ** 31, (), generator=generator)))
         seconds = time.perf_counter() - start
-        offset = 0
-        for layer in layers:
-            heads = slice(offset, offset + per_layer[layer].shape[0])
-            study.units[(f"squeeze-c{c}", layer)] = Units(labels=clusters.labels[heads],
-                                                          sizes=clusters.sizes[heads].float(),
-                                                          mean=clusters.centroids[heads])
-            offset = heads.stop
+        units = Units(labels=clusters.labels, sizes=clusters.sizes.float(), mean=clusters.centroids)
+        split_units(study, f"squeeze-c{c}", units, layers, per_layer)
         timing[f"squeeze-c{c}"] = {"clusters": k, "iterations": clusters.iterations, "seconds": round(seconds, 3),
                                    "seconds_per_head": round(seconds / stacked.shape[0], 4)}
+    for size in CHUNKS:
+        family = f"squeeze-c{CHUNK_CLUSTERS}-chunk{size}"
+        if family in families:
+            seed = int(torch.randint(2 ** 31, (), generator=generator))
+            units, timing[family] = chunk_units(stacked, sink, size, iters, seed)
+            split_units(study, family, units, layers, per_layer)
     return timing
 
 
-def run_prompt(model, study: Study, prompt: Prompt, iters: int, generator: torch.Generator) -> dict:
-    """Prefill once, build the units, then one teacher-forced decode pass per method."""
+def split_units(study: Study, family: str, units: Units, layers: list[int], per_layer: dict) -> None:
+    """Store the stacked heads' units per layer."""
+    offset = 0
+    for layer in layers:
+        heads = slice(offset, offset + per_layer[layer].shape[0])
+        study.units[(family, layer)] = Units(labels=units.labels[heads], sizes=units.sizes[heads],
+                                             mean=units.mean[heads], always=units.always)
+        offset = heads.stop
+
+
+def run_prompt(model, study: Study, prompt: Prompt, chosen: list[Method], iters: int,
+               generator: torch.Generator) -> dict:
+    """Prefill once, build the units the methods `chosen` (duo first) use, then one teacher-forced decode pass
+    per method."""
     ids = torch.tensor([prompt.input_ids])
     length, answer = len(prompt.input_ids), prompt.answer
     study.phase, study.prompt_len, study.keys, study.values, study.units = "prefill", length, {}, {}, {}
@@ -312,7 +382,7 @@ def run_prompt(model, study: Study, prompt: Prompt, iters: int, generator: torch
         first = model(input_ids=ids, use_cache=False, study=study, logits_to_keep=1).logits[0, -1]
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    kmeans = build_units(study, iters, generator)
+    kmeans = build_units(study, {m.kind for m in chosen}, iters, generator)
     units_s = time.perf_counter() - start
     study.phase = "decode"
     steps = torch.tensor([answer[:-1]])
@@ -320,7 +390,7 @@ def run_prompt(model, study: Study, prompt: Prompt, iters: int, generator: torch
     first_ok = int(first.argmax()) == answer[0]
     runs, reference = {}, None
     start = time.perf_counter()
-    for method in methods():
+    for method in chosen:
         study.method, study.stats = method, {}
         with torch.no_grad():
             logits = model(input_ids=steps, position_ids=positions, use_cache=False, study=study).logits[0]
@@ -332,7 +402,7 @@ def run_prompt(model, study: Study, prompt: Prompt, iters: int, generator: torch
         kl = float((reference.exp() * (reference - logp)).sum(-1).mean())
         runs[f"{method.name}@{method.budget}"] = {
             "hit": hit, "recall": study.stats.get("recall", 0.0) / count, "read": study.stats.get("read", 0.0) / count,
-            "lookup": study.stats.get("lookup", 0.0), "kl": kl}
+            "lookup": study.stats.get("lookup", 0.0), "forced": study.stats.get("forced", 0.0) / count, "kl": kl}
     decode_s = time.perf_counter() - start
     return {"family": prompt.family, "tokens": length, "depth": prompt.depth, "needle_start": prompt.needle_start,
             "ctx_end": study.ctx_end, "selectable": study.ctx_end - study.sink, "key": prompt.key,
@@ -341,10 +411,11 @@ def run_prompt(model, study: Study, prompt: Prompt, iters: int, generator: torch
             "runs": runs}
 
 
-def summarize(records: list[dict]) -> list[dict]:
-    """Per method and budget: hits per family, mean recall, keys read and lookup reads, KL."""
+def summarize(records: list[dict], chosen: list[Method]) -> list[dict]:
+    """Per method and budget: hits per family, mean recall, keys read (and of them read in the partial chunk) and
+    lookup reads, KL."""
     rows = []
-    for method in methods():
+    for method in chosen:
         key = f"{method.name}@{method.budget}"
         row = {"method": method.name, "budget": method.budget}
         for family in ("needles", "passkey"):
@@ -352,36 +423,39 @@ def summarize(records: list[dict]) -> list[dict]:
             row[family] = sum(m["hit"] for m in mine)
             row[f"{family}_of"] = len(mine)
         every = [r["runs"][key] for r in records]
-        for stat in ("recall", "read", "lookup", "kl"):
+        for stat in ("recall", "read", "lookup", "forced", "kl"):
             row[stat] = sum(m[stat] for m in every) / max(len(every), 1)
         rows.append(row)
     return rows
 
 
 def kmeans_cost(records: list[dict]) -> dict:
-    """Mean K-means seconds per retrieval head and Lloyd iterations, per cluster count, and the centroid memory
-    per head (bf16 centroids + int32 labels) against the head's bf16 K and V of the selectable region."""
+    """Per K-means family: the mean seconds per retrieval head (chunked: also per head and chunk, the chunks and the
+    partial chunk's keys), global: Lloyd iterations and the centroid memory per head (bf16 centroids + int32
+    labels) against the head's bf16 K and V of the selectable region."""
     cost = {}
-    for c in CLUSTERS:
-        times = [r["kmeans"][f"squeeze-c{c}"] for r in records]
-        cost[f"squeeze-c{c}"] = {
-            "seconds_per_head_mean": sum(t["seconds_per_head"] for t in times) / len(times),
-            "iterations_mean": sum(t["iterations"] for t in times) / len(times),
-            "selectable_mean": sum(r["selectable"] for r in records) / len(records),
-            "memory_vs_kv": (2 * 64 / c + 4) / (2 * 2 * 64)}
+    for family in records[0]["kmeans"]:
+        times = [r["kmeans"][family] for r in records]
+        cost[family] = {"selectable_mean": sum(r["selectable"] for r in records) / len(records)}
+        for stat in ("seconds_per_head", "seconds_per_chunk", "iterations", "chunks", "partial"):
+            if stat in times[0]:
+                cost[family][f"{stat}_mean"] = sum(t[stat] for t in times) / len(times)
+        if "iterations" in times[0]:
+            cost[family]["memory_vs_kv"] = (2 * 64 / int(family.split("-c")[1]) + 4) / (2 * 2 * 64)
     return cost
 
 
 def table(rows: list[dict]) -> str:
     """Markdown: method x budget."""
-    lines = ["| method | budget | needles hits | passkey hits | mass recall | keys read | lookup reads "
-             "| total reads | KL vs duo |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | budget | needles hits | passkey hits | mass recall | keys read | partial share "
+             "| lookups | total reads | KL |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         budget = f"1/{row['budget']}" if row["budget"] else ("all" if row["method"] == "duo" else "0")
         lines.append(f"| {row['method']} | {budget} | {row['needles']}/{row['needles_of']} | "
                      f"{row['passkey']}/{row['passkey_of']} | {row['recall']:.3f} | {row['read']:.3f} | "
-                     f"{row['lookup']:.3f} | {row['read'] + row['lookup']:.3f} | {row['kl']:.4f} |")
+                     f"{row['forced'] / max(row['read'], 1e-9):.3f} | {row['lookup']:.3f} | "
+                     f"{row['read'] + row['lookup']:.3f} | {row['kl']:.4f} |")
     return "\n".join(lines)
 
 
@@ -395,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--kmeans-iters", type=int, default=20, help="Lloyd iterations at most")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="method names to run, e.g. oracle squeeze-c16/max page16-mean/max (default: all)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -416,9 +492,10 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    chosen = methods(args.methods)
     records, started, wall, machine = [], now(), time.perf_counter(), machine_info()
     for i, prompt in enumerate(prompts):
-        record = run_prompt(model, study, prompt, args.kmeans_iters, generator)
+        record = run_prompt(model, study, prompt, chosen, args.kmeans_iters, generator)
         records.append(record)
         duo = record["runs"]["duo@0"]["hit"]
         print(f"[{i + 1}/{len(prompts)}] {prompt.family} {record['tokens']} tokens duo hit {duo} "
@@ -428,10 +505,11 @@ def main(argv: list[str] | None = None) -> None:
                    "transformers_version": transformers.__version__, "python": platform.python_version(),
                    "threads": args.threads, "pattern": pattern_source, "sparsity": args.sparsity,
                    "retrieval_kv_heads": int(retrieval.sum()), "sink": pattern.sink, "recent": pattern.recent,
-                   "kmeans_iters": args.kmeans_iters, "summary": summarize(records), "kmeans": kmeans_cost(records),
+                   "kmeans_iters": args.kmeans_iters, "summary": summarize(records, chosen),
+                   "kmeans": kmeans_cost(records),
                    "records": records}
         (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    rows = summarize(records)
+    rows = summarize(records, chosen)
     print(table(rows))
 
 
