@@ -314,11 +314,12 @@ def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype):
     case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     cache, _ = written_caches(case, quant)
     summaries, p, out = summarized(case), case.preset, case.poisoned_output()
+    qsl, sl = case.qsl, case.sl  # device tensors made before the capture, as a model runner's are
 
     def step():
-        scores = page_scores(case.query, summaries, case.heads, case.qsl, case.sl, case.block_table, p.block_size)
-        selected, counts = select_pages(scores, case.sl, p.block_size, p.sink, p.recent, 8)
-        sparse_decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+        scores = page_scores(case.query, summaries, case.heads, qsl, sl, case.block_table, p.block_size)
+        selected, counts = select_pages(scores, sl, p.block_size, p.sink, p.recent, 8)
+        sparse_decode_attention(case.query, cache, case.heads, qsl, sl, case.block_table, case.scale, out,
                                 selected, counts, 8, quant=quant)
         return scores, selected, counts
 
