@@ -248,20 +248,22 @@ class Prompt:
     depth: float
 
 
-def make_prompts(tokenizer, count: int, seed: int, sink: int, recent: int) -> list[Prompt]:
+def make_prompts(tokenizer, count: int, seed: int, sink: int, recent: int,
+                 contexts: tuple[int, ...] = NEEDLE_CONTEXTS, repeats_grid: tuple[int, ...] = PASSKEY_REPEATS
+                 ) -> list[Prompt]:
     """`count` prompts per family, lengths and depths cycling over the grids; seeded as the eval seeds its cells.
     needles: needles.needle_prompt (plain template), phrasing and haystack cycling; passkey: the classic test."""
     prompts = []
     haystacks = tuple(HAYSTACKS)
     for i in range(count):
-        context, depth = NEEDLE_CONTEXTS[i % len(NEEDLE_CONTEXTS)], DEPTHS[(i // len(NEEDLE_CONTEXTS)) % len(DEPTHS)]
+        context, depth = contexts[i % len(contexts)], DEPTHS[(i // len(contexts)) % len(DEPTHS)]
         rng = random.Random(f"{seed}/{context}/{depth}/{i}")
         p = needle_prompt(tokenizer, context, rng, depth, NEEDLES[DEFAULT_NEEDLES[i % len(DEFAULT_NEEDLES)]],
                           HAYSTACKS[haystacks[i % len(haystacks)]], chat=False, sink=sink, recent=recent)
         answer = tokenizer(" " + p.key, add_special_tokens=False).input_ids
         prompts.append(Prompt("needles", p.input_ids, answer, p.key, p.needle.start, depth))
     for i in range(count):
-        repeats = PASSKEY_REPEATS[i % len(PASSKEY_REPEATS)]
+        repeats = repeats_grid[i % len(repeats_grid)]
         rng = random.Random(f"{seed}/passkey/{repeats}/{i}")
         depth = round(rng.uniform(min(DEPTHS), max(DEPTHS)), 4)
         key = str(rng.randint(10000, 99999))
@@ -469,6 +471,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--kmeans-iters", type=int, default=20, help="Lloyd iterations at most")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", type=int, nargs="+", default=NEEDLE_CONTEXTS,
+                        help="needle prompt lengths in tokens, cycled")
+    parser.add_argument("--passkey-repeats", type=int, nargs="+", default=PASSKEY_REPEATS,
+                        help="classic passkey repeats, cycled (24 tokens each)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="method names to run, e.g. oracle squeeze-c16/max page16-mean/max (default: all)")
     args = parser.parse_args(argv)
@@ -487,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
     model.eval()
     study = Study(retrieval=retrieval, sink=pattern.sink, recent=pattern.recent)
-    prompts = make_prompts(tokenizer, args.prompts, args.seed, pattern.sink, pattern.recent)
+    prompts = make_prompts(tokenizer, args.prompts, args.seed, pattern.sink, pattern.recent, tuple(args.contexts),
+                           tuple(args.passkey_repeats))
     prompts = [p for pair in zip(prompts[:args.prompts], prompts[args.prompts:]) for p in pair]  # alternate families
     generator = torch.Generator().manual_seed(args.seed)
     out = Path(args.out)
