@@ -245,7 +245,8 @@ def test_a_target_sparsity_forwards_exactly_the_binarized_mask(smollm2_dir, init
     get the gradient of that mix (straight-through), as if the gates were the 0/1 mask."""
     settings = dataclasses.replace(SETTINGS, target_sparsity=0.25, init_pattern=str(init_pattern))
     trainer = training.GateTrainer(smollm2_dir, settings)
-    served = HeadPattern.load(init_pattern).retrieval_mask_at(0.25)
+    gates = np.asarray(HeadPattern.load(init_pattern).gates)  # the gates' own ranking, not the bundled 0.25 mask
+    served = HeadPattern._binarize(gates, 0.25)
     hard = trainer.hard_gates()
     assert torch.equal(hard, torch.from_numpy(served).float()) and 0 < hard.sum() < hard.numel()
     sample = trainer.sample(0)
