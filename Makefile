@@ -30,7 +30,7 @@ run: model
 # The modules that build no vLLM engine share one pytest process; every other module gets its own, so that its
 # in-process engines go with it (the whole suite in one process outgrew the CI machine's 24 GB).
 NO_ENGINE := $(patsubst %,tests/test_%.py,pattern zigzag scoring compatibility gpu_e2e gpu_tp hf_reference identify \
-  kernels sparse_kernels clustering kernel_compile cache_sim cli quickstart vllm_seam)
+  kernels sparse_kernels clustering squeeze kernel_compile cache_sim cli quickstart vllm_seam)
 
 test: model
 	@failed=""; for modules in "$(NO_ENGINE)" $(filter-out $(NO_ENGINE),$(wildcard tests/test_*.py)); do \

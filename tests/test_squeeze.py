@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The clustered contexts of Squeezed Attention (vllm_duo/squeeze.py) on test_kernels.py's small cases, on the CPU
+interpreter: what a build stores, the lookup against the references, and end to end that a budget of every clustered
+key gives duo's own decode."""
+
+import pytest
+import torch
+from test_kernels import PRESETS, Preset, make_case, written_caches
+from test_sparse_kernels import assert_retrieval_rows, run_sparse
+
+from vllm_duo.kernels.decode import decode_attention
+from vllm_duo.squeeze import ClusteredContexts, SqueezeSettings, select_reference
+
+CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
+TWO_LAYERS = [2, 1]
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+
+
+def built(case, cache, settings: SqueezeSettings, layer: int = 0) -> ClusteredContexts:
+    """Every request's cached tokens (its prompt) clustered into its own slot."""
+    contexts = ClusteredContexts([case.heads.num_retrieval] * 2, case.preset.head_dim, case.preset.sink, settings)
+    for i, seq_len in enumerate(case.seq_lens):
+        contexts.build(layer, i, cache, case.heads, case.block_table[i], seq_len - 1)
+    return contexts
+
+
+def settings_for(case, **kw) -> SqueezeSettings:
+    longest = max(case.seq_lens) - case.preset.sink
+    return SqueezeSettings(**{"keys_per_cluster": 4, "max_contexts": len(case.seq_lens), "max_context_len": longest,
+                              **kw})
+
+
+def test_a_build_lists_each_clustered_position_once():
+    case = make_case(CASE)
+    cache, _ = written_caches(case)
+    contexts = built(case, cache, settings_for(case))
+    for i, seq_len in enumerate(case.seq_lens):
+        T = seq_len - 1 - CASE.sink
+        assert contexts.clustered[i] == T and contexts.prompt_len[i] == seq_len - 1
+        for r in range(case.heads.num_retrieval):
+            offsets, sizes = contexts.offsets[0][i, r], contexts.sizes[0][i, r]
+            assert offsets[0] == 0 and offsets[-1] == T and torch.equal(offsets[1:] - offsets[:-1], sizes)
+            assert sorted(contexts.positions[0][i, r, :T].tolist()) == list(range(CASE.sink, seq_len - 1))
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.3, 1.0])
+def test_select_matches_the_references(budget):
+    case = make_case(CASE)
+    cache, _ = written_caches(case)
+    contexts = built(case, cache, settings_for(case, budget=budget))
+    slots = [0, 0, 2, 4, 3]  # two requests over one context read the same copy
+    keys = contexts.budget_keys(slots)
+    width = contexts.settings.max_context_len
+    ids = torch.tensor(slots, dtype=torch.int32)
+    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale, width)
+    expected = select_reference(contexts, 0, case.query, case.heads, case.query_start_loc, slots, keys.tolist(),
+                                case.scale, width)
+    assert torch.equal(counts, expected[1])
+    for i in range(len(slots)):
+        for r in range(case.heads.num_retrieval):
+            assert torch.equal(selected[i, r, :counts[i, r]], expected[0][i, r, :counts[i, r]])
+            taken = set(selected[i, r, :counts[i, r]].tolist())
+            assert counts[i, r] >= keys[i] and taken <= set(range(CASE.sink, case.seq_lens[slots[i]] - 1))
+
+
+def test_budget_of_every_key_equals_duo_decode():
+    """End to end: with budget 1 every clustered position is selected, so the sparse decode is duo's decode."""
+    case = make_case(CASE)
+    cache, stream = written_caches(case)
+    contexts = built(case, cache, settings_for(case, budget=1.0))
+    slots = list(range(len(case.seq_lens)))
+    ids = torch.tensor(slots, dtype=torch.int32)
+    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, contexts.budget_keys(slots),
+                                       case.scale, contexts.settings.max_context_len)
+    full = case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
+                     stream_cache=stream)
+    assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
+
+
+def test_a_small_budget_reads_fewer_keys_and_stays_close():
+    """A long context at budget 1/4: each retrieval head reads about a quarter of the clustered keys, and its
+    output stays nearer duo's than attending the sinks and window alone (the clusters carry the mass)."""
+    case = make_case(Preset(8, 4, (0, 3), ((600, 1), (400, 1)), sink=4, recent=16))
+    cache, stream = written_caches(case)
+    contexts = built(case, cache, settings_for(case, budget=0.25))
+    ids = torch.tensor([0, 1], dtype=torch.int32)
+    keys = contexts.budget_keys([0, 1])
+    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale,
+                                       contexts.settings.max_context_len)
+    clustered = torch.tensor(contexts.clustered[:2])[:, None]
+    assert (counts >= keys[:, None]).all() and (counts < 0.25 * clustered + 64).all()
+    full = case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
+                     stream_cache=stream)
+    squeezed = run_sparse(case, cache, selected, counts)
+    window_only = run_sparse(case, cache, selected, torch.zeros_like(counts))
+    q = case.heads.retrieval_q
+    assert (squeezed[:, q] - full[:, q]).norm() < (window_only[:, q] - full[:, q]).norm()
+
+
+def test_settings_memory_and_window():
+    with pytest.raises(ValueError, match="budget"):
+        SqueezeSettings(budget=0)
+    with pytest.raises(ValueError, match="keys_per_cluster"):
+        SqueezeSettings(keys_per_cluster=0)
+    settings = SqueezeSettings(max_contexts=2, max_context_len=1000, keys_per_cluster=16)
+    contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings)
+    allocated = sum(t.nbytes for kind in (contexts.centroids, contexts.sizes, contexts.offsets, contexts.positions)
+                    for t in kind)
+    assert ClusteredContexts.bytes_needed(TWO_LAYERS, 64, settings) == allocated
+    case = make_case(CASE)
+    cache, _ = written_caches(case)
+    with pytest.raises(ValueError, match="squeezed context holds"):
+        contexts.build(0, 0, cache, case.heads, case.block_table[1], 4)  # nothing past the sinks
+    contexts.build(0, 0, cache, case.heads, case.block_table[0], 36)
+    assert contexts.fits_window(0, 36 + 16, recent=16) and not contexts.fits_window(0, 36 + 17, recent=16)
+    contexts.free(0)
+    assert contexts.clustered[0] == 0
