@@ -31,8 +31,12 @@ sparsity 0.5) against dense's cache write + FA3 (32 splits, the step's schedule)
 given a step schedule (bf16: FA3 on the retrieval heads instead of Triton, alone and beside the streaming heads), and
 the torch profiler's kernels of both steps.
 
-Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode]   (results:
-$OUT/kernels_bench[_fp8|_mixed|_long_decode].json, or benchmarks/results/ without $OUT).
+squeeze decode (`--squeeze-decode`, issue 33): the same steps at 4 x 64k and 4 x 128k over an fp8 cache, duo as served
+against duo with Squeezed Attention's lookup and sparse decode on its retrieval heads at budgets 1/16, 1/8 and 1/4 of
+the keys (random clusters: timing only), each step whole, its lookup alone and its sparse decode alone.
+
+Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode]
+(results: $OUT/kernels_bench[_fp8|_mixed|_long_decode|_squeeze_decode].json, or benchmarks/results/ without $OUT).
 """
 
 from __future__ import annotations
@@ -694,6 +698,18 @@ def kernel_profile(graph: torch.cuda.CUDAGraph, eager, steps: int = 10, top: int
     return result if len(result["kernels"]) > 2 else run("eager steps")
 
 
+def layouts_per_count(seq_lens: list[int], counts: list[int], cache_dtype: torch.dtype, columns: int):
+    """One DuoLayout per retrieval-head count (layers with the same count share its cache) and its retrieval
+    pages' block table, `columns` wide as vLLM's (max_model_len)."""
+    layouts, retrieval_tables = {}, {}
+    for R in sorted(set(counts)):
+        d = layouts[R] = DuoLayout.build(seq_lens, retrieval=list(range(R)), dtype=cache_dtype)
+        pages = d.table[:, ::d.heads.stride]
+        retrieval_tables[R] = torch.zeros(len(seq_lens), columns, dtype=torch.int32, device=DEV)
+        retrieval_tables[R][:, :pages.shape[1]] = pages
+    return layouts, retrieval_tables
+
+
 def bench_long_decode(fa, rows, out_json):
     """Whole 32-layer decode steps at batch 4 x 64k / 128k as served (one full CUDA graph each): duo with the
     reference pattern's per-layer retrieval heads (sparsity 0.5, reordered) vs dense's cache write + FA3, then
@@ -724,14 +740,9 @@ def bench_long_decode(fa, rows, out_json):
         quant = KVQuant(one, one, one) if fp8 else None
         columns = triton.cdiv(max_len, BLOCK)  # vLLM's block tables are as wide as max_model_len
 
-        layouts, retrieval_tables, splits, retrieval_only = {}, {}, {}, {}
-        for R in sorted(set(counts)):  # one cache per retrieval-head count: layers with the same count share it
-            d = layouts[R] = DuoLayout.build(seq_lens, retrieval=list(range(R)), dtype=cache_dtype)
-            pages = d.table[:, ::d.heads.stride]
-            retrieval_tables[R] = torch.zeros(batch, columns, dtype=torch.int32, device=DEV)
-            retrieval_tables[R][:, :pages.shape[1]] = pages
-            splits[R] = decode_num_splits(batch, R, max_len, DEV)
-            retrieval_only[R] = d.with_only("retrieval")
+        layouts, retrieval_tables = layouts_per_count(seq_lens, counts, cache_dtype, columns)
+        splits = {R: decode_num_splits(batch, R, max_len, DEV) for R in layouts}
+        retrieval_only = {R: d.with_only("retrieval") for R, d in layouts.items()}
         bytes_per = 1 if fp8 else BYTES
         duo_bytes = sum(batch * (context * R + min(context, SINK + RECENT) * (NUM_KV_HEADS - R)) for R in counts) \
             * 2 * HEAD_DIM * bytes_per
@@ -874,6 +885,106 @@ def bench_long_decode(fa, rows, out_json):
         torch.cuda.empty_cache()
 
 
+SQUEEZE_SHAPES = ((4, 65536), (4, 131072))  # fp8 caches, as issue 33's speed target
+SQUEEZE_BUDGETS = (16, 8, 4)  # 1/k of the clustered keys read beyond the sinks and window
+KEYS_PER_CLUSTER = 16
+
+
+def bench_squeeze_decode(fa, rows, out_json):
+    """Issue 33's decode step at batch 4 x 64k / 128k over an fp8 cache, 32 layers in one CUDA graph: duo as served
+    against duo with Squeezed Attention on its retrieval heads (vllm_duo/squeeze.py's lookup: centroid scores, then
+    the best clusters up to 1/16, 1/8, 1/4 of the keys; the sparse decode over them plus sinks and window), the
+    streaming heads beside on a second stream as served. The clusters are random (16 keys per bf16 centroid on
+    average): timing only; equality with duo at a full budget is tests/test_squeeze.py's."""
+    from vllm_duo import gpu_attention
+    from vllm_duo.kernels.attention import triton_attention
+    from vllm_duo.kernels.clustering import to_csr
+    from vllm_duo.kernels.selection import centroid_scores, select_positions
+    from vllm_duo.kernels.sparse_decode import sparse_decode_attention
+    from vllm_duo.pattern import resolve_pattern
+
+    counts = resolve_pattern("Meta-Llama-3.1-8B-Instruct")[0].retrieval_counts(0.5)
+    results = []
+    out_json["squeeze_decode"] = results
+    one = torch.ones((), dtype=torch.float32, device=DEV)
+    quant = KVQuant(one, one, one)
+    for batch, context in SQUEEZE_SHAPES:
+        case = f"fp8 {batch}x{context // 1024}k"
+        max_len = context + 1024
+        seq_lens = [context] * batch
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+        query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        key, value = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV) for _ in range(2))
+        outs = torch.zeros(len(counts), batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+        layouts, retrieval_tables = layouts_per_count(seq_lens, counts, torch.float8_e4m3fn, triton.cdiv(max_len, BLOCK))
+        splits = {R: decode_num_splits(batch, R, max_len, DEV) for R in layouts}
+        T = context - SINK
+        C = triton.cdiv(T, KEYS_PER_CLUSTER)
+        stores = {}
+        for R in layouts:  # random clusters: centroids, and the CSR of a random label per key
+            offsets, positions = to_csr(torch.randint(0, C, (R, T), device=DEV), C, positions_offset=SINK)
+            stores[R] = (torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV),
+                         (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
+                         offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous())
+        res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
+
+        def step(budget=None, write=True, lookup=True, attend=True, selections=None):
+            """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
+            `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand)."""
+            def run():
+                for i, R in enumerate(counts):
+                    d, out = layouts[R], outs[i]
+                    if budget is None:
+                        gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
+                                                        out, 1, max_len, quant=quant,
+                                                        retrieval_table=retrieval_tables[R])
+                        continue
+                    if write:
+                        cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
+                    centroids, sizes, offsets, positions = stores[R]
+
+                    def retrieval():
+                        if lookup:
+                            scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE)
+                            selected = select_positions(scores, offsets, positions, T // budget, T // budget + 512)
+                        else:
+                            selected = selections[R]
+                        if attend:
+                            sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
+                                                    quant=quant, checked=True)
+                    streaming = functools.partial(triton_attention, query, d.cache, d.heads, qsl, sl, d.table, SCALE,
+                                                  out, 1, splits[R], d.cache, quant, streaming_only=True)
+                    if write and d.heads.num_streaming:
+                        gpu_attention.beside(streaming, retrieval, DEV)
+                    else:
+                        retrieval()
+            return run
+
+        def timed(label, fn):
+            try:
+                t = replay_ms(capture(fn))
+            except Exception:  # noqa: BLE001 - note the failure, time the other variants
+                res["errors"][label] = traceback.format_exc()
+                print(f"{case} {label} failed:\n{res['errors'][label]}", file=sys.stderr)
+                t = float("nan")
+            res["variants_ms"][label] = t
+            rows.append((case, label, t, float("nan")))
+
+        timed("duo", step())
+        for k in SQUEEZE_BUDGETS:
+            timed(f"squeeze 1/{k}", step(k))
+            timed(f"squeeze 1/{k}: lookup only", step(k, write=False, attend=False))
+            selections = {}
+            for R, (centroids, sizes, offsets, positions) in stores.items():
+                scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE)
+                selections[R] = select_positions(scores, offsets, positions, T // k, T // k + 512)
+            timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
+        results.append(res)
+        del layouts, retrieval_tables, stores
+        torch.cuda.empty_cache()
+
+
 def print_long_decode(results: list[dict]) -> None:
     """shape, dense and duo ms per step, their ratio, then each variant's ms per step."""
     print(f"\n{'shape':<12} {'dense ms':>9} {'duo ms':>8} {'dense/duo':>9}")
@@ -904,6 +1015,8 @@ def main():
         parts = (("mixed", bench_mixed),)
     elif "--long-decode" in sys.argv:
         parts = (("long_decode", bench_long_decode),)
+    elif "--squeeze-decode" in sys.argv:
+        parts = (("squeeze_decode", bench_squeeze_decode),)
     else:
         parts = (("decode", bench_decode), ("prefill", bench_prefill))
     for name, fn in parts:
@@ -916,8 +1029,8 @@ def main():
 
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
-    suffix = next((s for flag, s in (("--fp8", "_fp8"), ("--mixed", "_mixed"), ("--long-decode", "_long_decode"))
-                   if flag in sys.argv), "")
+    suffix = next((s for flag, s in (("--fp8", "_fp8"), ("--mixed", "_mixed"), ("--long-decode", "_long_decode"),
+                                     ("--squeeze-decode", "_squeeze_decode")) if flag in sys.argv), "")
     result_file = target / f"kernels_bench{suffix}.json"
     result_file.write_text(json.dumps(out_json, indent=2))
 

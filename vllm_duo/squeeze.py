@@ -19,7 +19,8 @@ Tokens generated after the prompt are not clustered: a request decodes squeezed 
 (`fits_window`); past it the caller falls back to duo's full retrieval decode.
 
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
-centroids R x C x head_dim float32, sizes R x C and offsets R x (C + 1) int32, positions R x T int32; all of it
+centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
+as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes R x C and offsets R x (C + 1) int32, positions R x T int32; all of it
 preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable) and a build allocates nothing but
 the clustering's scratch. `ClusteredContexts.bytes_needed` is that sum.
 """
@@ -63,7 +64,7 @@ class SqueezeSettings:
 class ClusteredContexts:
     """Per layer, `max_contexts` slots of clustered retrieval keys:
 
-    - centroids `[slots, R, C, head_dim]` float32, sizes `[slots, R, C]` int32 (0: no such cluster);
+    - centroids `[slots, R, C, head_dim]` (`centroid_dtype`), sizes `[slots, R, C]` int32 (0: no such cluster);
     - offsets `[slots, R, C + 1]` int32 and positions `[slots, R, T]` int32: the CSR of positions per cluster;
     - `clustered[slot]`: how many positions a slot's CSR holds (0: free), `prompt_len[slot]`: where its prompt ends.
 
@@ -72,12 +73,13 @@ class ClusteredContexts:
     """
 
     def __init__(self, retrieval_per_layer: list[int], head_dim: int, sink: int, settings: SqueezeSettings,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", centroid_dtype: torch.dtype = torch.bfloat16):
         self.settings, self.sink, self.device = settings, sink, torch.device(device)
         slots, T = settings.max_contexts, settings.max_context_len
         C = settings.num_clusters(T)
         self.max_clusters = C
-        self.centroids = [torch.zeros(slots, R, C, head_dim, device=device) for R in retrieval_per_layer]
+        self.centroids = [torch.zeros(slots, R, C, head_dim, dtype=centroid_dtype, device=device)
+                          for R in retrieval_per_layer]
         self.sizes = [torch.zeros(slots, R, C, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.offsets = [torch.zeros(slots, R, C + 1, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
@@ -85,10 +87,11 @@ class ClusteredContexts:
         self.prompt_len = [0] * slots
 
     @staticmethod
-    def bytes_needed(retrieval_per_layer: list[int], head_dim: int, settings: SqueezeSettings) -> int:
+    def bytes_needed(retrieval_per_layer: list[int], head_dim: int, settings: SqueezeSettings,
+                     centroid_dtype: torch.dtype = torch.bfloat16) -> int:
         T = settings.max_context_len
         C = settings.num_clusters(T)
-        per_head = C * head_dim * 4 + C * 4 + (C + 1) * 4 + T * 4
+        per_head = C * head_dim * centroid_dtype.itemsize + C * 4 + (C + 1) * 4 + T * 4
         return settings.max_contexts * sum(retrieval_per_layer) * per_head
 
     def build(self, layer: int, slot: int, cache: torch.Tensor, heads: LayerHeads, table_row: torch.Tensor,
@@ -107,7 +110,7 @@ class ClusteredContexts:
             offsets, positions = to_csr(clusters.labels, C, positions_offset=self.sink)
             self.centroids[layer][slot].zero_()
             self.sizes[layer][slot].zero_()
-            self.centroids[layer][slot, :, :C] = clusters.centroids
+            self.centroids[layer][slot, :, :C] = clusters.centroids.to(self.centroids[layer].dtype)
             self.sizes[layer][slot, :, :C] = clusters.sizes
             self.offsets[layer][slot, :, :C + 1] = offsets
             self.offsets[layer][slot, :, C + 1:] = offsets[:, -1:]
