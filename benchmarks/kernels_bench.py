@@ -929,9 +929,10 @@ def bench_squeeze_decode(fa, rows, out_json):
                          offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous())
         res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
 
-        def step(budget=None, write=True, lookup=True, attend=True, selections=None):
+        def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
-            `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand)."""
+            `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
+            `select` False stops the lookup at the centroid scores."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -947,6 +948,8 @@ def bench_squeeze_decode(fa, rows, out_json):
                     def retrieval():
                         if lookup:
                             scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE)
+                            if not select:
+                                return
                             selected = select_positions(scores, offsets, positions, T // budget, T // budget + 512)
                         else:
                             selected = selections[R]
@@ -972,6 +975,7 @@ def bench_squeeze_decode(fa, rows, out_json):
             rows.append((case, label, t, float("nan")))
 
         timed("duo", step())
+        timed("centroid scores only", step(16, write=False, attend=False, select=False))
         for k in SQUEEZE_BUDGETS:
             timed(f"squeeze 1/{k}", step(k))
             timed(f"squeeze 1/{k}: lookup only", step(k, write=False, attend=False))

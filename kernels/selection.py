@@ -2,7 +2,7 @@
 """Which context positions a retrieval head's sparse decode reads (sparse_decode.py): scores per key cluster
 (Squeezed Attention's centroids) or per page (Quest's per-channel key bounds), then the positions of the best.
 
-Scores come from each request's last query token, one Triton launch per layer, reduced over the GQA group by
+Scores come from each request's last query token, reduced over the GQA group by
 max (a KV head's keys serve all of its query heads, so a cluster or page counts if any of them wants it). The
 selections are plain torch with fixed shapes and no host syncs: CUDA-graph capturable. They emit the
 `[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that `sparse_decode_attention` takes.
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.decode import group_queries
+from vllm_duo.kernels.decode import _sm_count, group_queries
 from vllm_duo.kernels.prefill import LOG2E
 from vllm_duo.kernels.reference import LayerHeads
 
@@ -46,17 +46,20 @@ def _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, s
 
 
 @triton.jit(do_not_specialize=["num_clusters"])
-def _centroid_scores_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr, scores_ptr, retrieval_kv_ptr,
-                            query_start_loc_ptr, qk_scale, num_clusters,
+def _centroid_logits_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr, logits_ptr, part_m_ptr, part_l_ptr,
+                            retrieval_kv_ptr, query_start_loc_ptr, qk_scale, num_clusters,
                             stride_qt: tl.int64, stride_qh: tl.int64, stride_cx: tl.int64, stride_ch: tl.int64,
-                            stride_cn: tl.int64, stride_nx: tl.int64, stride_nh: tl.int64, stride_or: tl.int64,
-                            stride_oh: tl.int64,
-                            G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R): two passes over one head's centroids, the first for each query head's denominator
-    sum_j N_j exp(q.C_j * scale), the second for the scores, max over the group."""
+                            stride_cn: tl.int64, stride_nx: tl.int64, stride_nh: tl.int64, stride_lr: tl.int64,
+                            stride_lh: tl.int64, stride_lg: tl.int64, stride_pr: tl.int64, stride_ph: tl.int64,
+                            stride_pt: tl.int64,
+                            G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, tiles): the base-2 logits of one tile of TILE_CHUNKS x BLOCK_C clusters per query head of
+    the group (-inf for empty clusters), and the tile's softmax partials: the running max and the sum of
+    N_j exp2(s_j - max) per query head."""
     req = tl.program_id(0)
     head = tl.program_id(1)
+    tile = tl.program_id(2)
     q = _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, stride_qt, stride_qh, G, BLOCK_G,
                       HEAD_DIM, BLOCK_D)
     if CONTEXTS:
@@ -65,24 +68,54 @@ def _centroid_scores_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr
         context = req.to(tl.int64)
     centroid_row = centroids_ptr + context * stride_cx + head * stride_ch
     size_row = sizes_ptr + context * stride_nx + head * stride_nh
+    offs_g = tl.arange(0, BLOCK_G)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_G], tl.float32)
-    for start in range(0, num_clusters, BLOCK_C):
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    for chunk in range(TILE_CHUNKS):
+        start = (tile * TILE_CHUNKS + chunk) * BLOCK_C
         s, size = _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
                                    BLOCK_C, HEAD_DIM, BLOCK_D)
+        offs_c = start + tl.arange(0, BLOCK_C)
+        tl.store(logits_ptr + req * stride_lr + head * stride_lh + offs_g[:, None] * stride_lg + offs_c[None, :], s,
+                 mask=(offs_g < G)[:, None] & (offs_c < num_clusters)[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        denom = denom * tl.exp2(m_i - m_safe) + tl.sum(size[None, :] * tl.exp2(s - m_safe[:, None]), 1)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(size[None, :] * tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
-    m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
+    part = req * stride_pr + head * stride_ph + tile * stride_pt + offs_g
+    tl.store(part_m_ptr + part, m_i)
+    tl.store(part_l_ptr + part, l_i)
+
+
+@triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
+def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, num_clusters, num_tiles,
+                            stride_lr: tl.int64, stride_lh: tl.int64, stride_lg: tl.int64, stride_pr: tl.int64,
+                            stride_ph: tl.int64, stride_pt: tl.int64, stride_or: tl.int64, stride_oh: tl.int64,
+                            G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
+                            BLOCK_T: tl.constexpr):
+    """Grid (num_reqs, R, tiles): each query head's denominator from all tiles' partials, then the tile's scores
+    exp2(s_j - max) / denominator, max over the group."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_g = tl.arange(0, BLOCK_G)
+    part = req * stride_pr + head * stride_ph + offs_t[:, None] * stride_pt + offs_g[None, :]
+    t_ok = (offs_t < num_tiles)[:, None]
+    m_t = tl.load(part_m_ptr + part, mask=t_ok, other=float("-inf"))
+    l_t = tl.load(part_l_ptr + part, mask=t_ok, other=0.0)
+    m = tl.max(m_t, 0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    denom = tl.sum(l_t * tl.exp2(m_t - m_safe[None, :]), 0)
     denom = tl.where(denom > 0, denom, 1.0)  # no cluster at all: every score 0
-    in_group = tl.arange(0, BLOCK_G) < G
-    for start in range(0, num_clusters, BLOCK_C):
-        s, _size = _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
-                                    BLOCK_C, HEAD_DIM, BLOCK_D)
+    in_group = offs_g < G
+    for chunk in range(TILE_CHUNKS):
+        offs_c = (tile * TILE_CHUNKS + chunk) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < num_clusters
+        s = tl.load(logits_ptr + req * stride_lr + head * stride_lh + offs_g[:, None] * stride_lg + offs_c[None, :],
+                    mask=in_group[:, None] & c_ok[None, :], other=float("-inf"))
         score = tl.where(in_group[:, None], tl.exp2(s - m_safe[:, None]) / denom[:, None], 0.0)
-        offs_c = start + tl.arange(0, BLOCK_C)
-        tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, tl.max(score, 0), mask=offs_c < num_clusters)
+        tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, tl.max(score, 0), mask=c_ok)
 
 
 @triton.jit(do_not_specialize=["num_pages", "stride"])
@@ -124,6 +157,10 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale), for each request's last query token, max over the
     query heads of each retrieval KV head.
 
+    Two launches, each over (request, head, tile of clusters): the logits with each tile's softmax partials, then
+    the scores from every tile's partials. Tiles spread a context's centroids over the whole GPU: a batch of 4
+    requests has only 4 R (request, head) rows, far fewer than the SMs.
+
     Args:
         query: `[num_tokens, num_heads, head_dim]`.
         centroids: `[num_contexts, R, C, head_dim]`, unit last stride: each context's cluster centroids per
@@ -146,14 +183,34 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         raise ValueError(f"centroids {tuple(centroids.shape)} must be [contexts, {R}, C, {query.shape[-1]}], "
                          "unit last stride")
     head_dim, G = query.shape[-1], heads.group_size
+    block_g, block_c = max(16, triton.next_power_of_2(G)), _score_tiles(query.device)
+    chunks, tiles = _score_split(num_reqs * R, C, block_c, query.device)
+    logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=query.device)
+    part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=query.device)
+                      for _ in range(2))
     # without context ids the kernel reads none: `scores` stands in for the pointer
-    _centroid_scores_kernel[(num_reqs, R)](
-        query, centroids, sizes, scores if context_ids is None else context_ids, scores, heads.retrieval_kv,
-        query_start_loc, scale * LOG2E, C, *query.stride()[:2], *centroids.stride()[:3], *sizes.stride()[:2],
-        *scores.stride()[:2],
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_C=_score_tiles(query.device), HEAD_DIM=head_dim,
+    _centroid_logits_kernel[(num_reqs, R, tiles)](
+        query, centroids, sizes, scores if context_ids is None else context_ids, logits, part_m, part_l,
+        heads.retrieval_kv, query_start_loc, scale * LOG2E, C, *query.stride()[:2], *centroids.stride()[:3],
+        *sizes.stride()[:2], *logits.stride()[:3], *part_m.stride()[:3],
+        G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None, num_warps=4)
+    _centroid_scores_kernel[(num_reqs, R, tiles)](
+        logits, part_m, part_l, scores, C, tiles, *logits.stride()[:3], *part_m.stride()[:3], *scores.stride()[:2],
+        G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles),
+        num_warps=4)
     return scores
+
+
+def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.device) -> tuple[int, int]:
+    """(chunks of block_c clusters per program, tiles per row): enough programs to fill the GPU (about 4 per SM)
+    with at most 64 tiles per row; on the CPU one chunk per tile (the interpreter tests the split)."""
+    chunks_needed = triton.cdiv(num_clusters, block_c)
+    if device.type != "cuda":
+        return 1, chunks_needed
+    want = min(64, triton.cdiv(4 * _sm_count(device.index), max(rows, 1)))
+    chunks = triton.cdiv(chunks_needed, want)
+    return chunks, triton.cdiv(chunks_needed, chunks)
 
 
 def page_scores(query: torch.Tensor, summaries: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,

@@ -26,7 +26,8 @@ from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.selection import _centroid_scores_kernel, _page_scores_kernel, _score_tiles
+from vllm_duo.kernels.selection import (_centroid_logits_kernel, _centroid_scores_kernel, _page_scores_kernel,
+                                         _score_tiles)
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -40,7 +41,8 @@ def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
     scales = "fp32" if cache in FP8_FORMATS else TRITON_TYPES[cache]  # a bf16 cache passes itself as its scales
     types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr", "centroids_ptr"), TRITON_TYPES[model])
     types.update(dict.fromkeys(("cache_ptr", "stream_ptr"), TRITON_TYPES[cache]))
-    types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "scores_ptr", "summaries_ptr"), "fp32"))
+    types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "scores_ptr", "summaries_ptr", "logits_ptr",
+                                "part_m_ptr", "part_l_ptr"), "fp32"))
     types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
     types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr"), "i64"))
     return {name: "*" + t for name, t in types.items()}
@@ -127,8 +129,10 @@ def cases():
         if "scores" in variants:
             tile = _score_tiles(CUDA)
             common = dict(G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"])
+            yield (f"centroid logits {tag}", _centroid_logits_kernel, model, cache,
+                   dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True), {})
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
-                   dict(common, BLOCK_C=tile, CONTEXTS=True), {})
+                   dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=4, BLOCK_T=64), {})
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
 
 
