@@ -899,7 +899,7 @@ def bench_squeeze_decode(fa, rows, out_json):
     from vllm_duo import gpu_attention
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.kernels.clustering import to_csr
-    from vllm_duo.kernels.selection import centroid_scores, select_positions
+    from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
 
@@ -917,7 +917,8 @@ def bench_squeeze_decode(fa, rows, out_json):
         query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
         key, value = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV) for _ in range(2))
         outs = torch.zeros(len(counts), batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
-        layouts, retrieval_tables = layouts_per_count(seq_lens, counts, torch.float8_e4m3fn, triton.cdiv(max_len, BLOCK))
+        columns = triton.cdiv(max_len, BLOCK)
+        layouts, retrieval_tables = layouts_per_count(seq_lens, counts, torch.float8_e4m3fn, columns)
         splits = {R: decode_num_splits(batch, R, max_len, DEV) for R in layouts}
         T = context - SINK
         C = triton.cdiv(T, KEYS_PER_CLUSTER)
@@ -929,10 +930,15 @@ def bench_squeeze_decode(fa, rows, out_json):
                          offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous())
         res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
 
-        def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True):
+        def choose(scores, offsets, positions, k, banded=True):
+            budget = torch.full(scores.shape[:2], T // k, dtype=torch.int32, device=DEV)
+            chooser = select_banded if banded else select_positions
+            return chooser(scores, offsets, positions, budget, T // k + T // 16)
+
+        def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
-            `select` False stops the lookup at the centroid scores."""
+            `select` False stops the lookup at the centroid scores; `banded` False selects by sorting."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -950,7 +956,7 @@ def bench_squeeze_decode(fa, rows, out_json):
                             scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE)
                             if not select:
                                 return
-                            selected = select_positions(scores, offsets, positions, T // budget, T // budget + 512)
+                            selected = choose(scores, offsets, positions, budget, banded)
                         else:
                             selected = selections[R]
                         if attend:
@@ -976,13 +982,16 @@ def bench_squeeze_decode(fa, rows, out_json):
 
         timed("duo", step())
         timed("centroid scores only", step(16, write=False, attend=False, select=False))
+        timed("lookup with the sorting selection, 1/16", step(16, write=False, attend=False, banded=False))
         for k in SQUEEZE_BUDGETS:
             timed(f"squeeze 1/{k}", step(k))
             timed(f"squeeze 1/{k}: lookup only", step(k, write=False, attend=False))
             selections = {}
             for R, (centroids, sizes, offsets, positions) in stores.items():
                 scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE)
-                selections[R] = select_positions(scores, offsets, positions, T // k, T // k + 512)
+                selections[R] = choose(scores, offsets, positions, k)
+            res.setdefault("mean_selected", {})[f"1/{k}"] = float(
+                sum(selections[R][1].float().mean() * counts.count(R) for R in selections) / len(counts))
             timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
         results.append(res)
         del layouts, retrieval_tables, stores

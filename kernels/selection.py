@@ -294,6 +294,167 @@ def select_positions(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluste
     return torch.where(keep, selected, 0).to(torch.int32), counts.to(torch.int32)
 
 
+SCORE_BANDS = 2048  # a score's band: its float32 bits >> 20 (exponent and 3 mantissa bits, bands of 12.5%)
+
+
+@triton.jit
+def _score_band(scores):
+    return (scores.to(tl.int32, bitcast=True) >> 20).to(tl.int32)
+
+
+@triton.jit
+def _cluster_tile(scores_ptr, offsets_ptr, req, head, context, start, num_clusters, stride_sr, stride_sh, stride_ox,
+                  stride_oh, BLOCK_C: tl.constexpr):
+    """Clusters [start, start + BLOCK_C) of a row: (their indices, in range, bands, sizes)."""
+    offs_c = start + tl.arange(0, BLOCK_C)
+    ok = offs_c < num_clusters
+    score = tl.load(scores_ptr + req * stride_sr + head * stride_sh + offs_c, mask=ok, other=0.0)
+    offsets = offsets_ptr + context * stride_ox + head * stride_oh + offs_c
+    size = tl.load(offsets + 1, mask=ok, other=0) - tl.load(offsets, mask=ok, other=0)
+    return offs_c, ok, _score_band(score), size
+
+
+@triton.jit(do_not_specialize=["num_clusters"])
+def _band_sizes_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, num_clusters,
+                       stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
+                       stride_hr: tl.int64, stride_hh: tl.int64,
+                       BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, tiles): each row's keys per score band (integer atomics: the sums do not depend on order)."""
+    req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
+    for chunk in range(TILE_CHUNKS):
+        _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
+                                           (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr, stride_sh,
+                                           stride_ox, stride_oh, BLOCK_C)
+        tl.atomic_add(hist_ptr + req * stride_hr + head * stride_hh + band, size, mask=ok & (size > 0))
+
+
+@triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
+def _band_cut_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, budget_ptr, cut_ptr, tile_keys_ptr,
+                     counts_ptr, num_clusters, num_tiles, max_selected,
+                     stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
+                     stride_hr: tl.int64, stride_hh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64,
+                     stride_tr: tl.int64, stride_th: tl.int64,
+                     BANDS: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R): the row's cut, the highest band whose keys and those of every band above reach the budget
+    (0: every band), the keys taken (at most max_selected), and the keys each tile of clusters keeps."""
+    req, head = tl.program_id(0), tl.program_id(1)
+    context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
+    bands = tl.arange(0, BANDS)
+    hist = tl.load(hist_ptr + req * stride_hr + head * stride_hh + bands)
+    above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys in this band and every band above
+    budget = tl.load(budget_ptr + req * stride_br + head * stride_bh)
+    cut = tl.max(tl.where(above >= budget, bands, 0), 0)
+    taken = tl.sum(tl.where(bands >= cut, hist, 0), 0)
+    tl.store(cut_ptr + req * stride_br + head * stride_bh, cut)
+    tl.store(counts_ptr + req * stride_br + head * stride_bh, tl.minimum(taken, max_selected))
+    for tile in range(num_tiles):
+        keys = tl.zeros([BLOCK_C], tl.int32)
+        for chunk in range(TILE_CHUNKS):
+            _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
+                                               (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr,
+                                               stride_sh, stride_ox, stride_oh, BLOCK_C)
+            keys += tl.where(ok & (band >= cut), size, 0)
+        tl.store(tile_keys_ptr + req * stride_tr + head * stride_th + tile, tl.sum(keys, 0))
+
+
+@triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
+def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr, cut_ptr, tile_keys_ptr, dest_ptr,
+                        selected_ptr, num_clusters, num_tiles, max_selected,
+                        stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
+                        stride_px: tl.int64, stride_ph: tl.int64, stride_br: tl.int64, stride_bh: tl.int64,
+                        stride_tr: tl.int64, stride_th: tl.int64, stride_dr: tl.int64, stride_dh: tl.int64,
+                        stride_qr: tl.int64, stride_qh: tl.int64,
+                        BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_S: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, tiles): the tile's kept clusters' positions, in cluster order, after those of the tiles
+    before it. First each kept cluster's first slot in the result (`dest`, -1 if not kept), then every CSR slot of
+    the tile's clusters, its cluster found by binary search over the offsets, copied to its cluster's place."""
+    req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
+    cut = tl.load(cut_ptr + req * stride_br + head * stride_bh)
+    offs_t = tl.arange(0, BLOCK_T)
+    before = tl.load(tile_keys_ptr + req * stride_tr + head * stride_th + offs_t, mask=offs_t < tile, other=0)
+    base = tl.sum(before, 0)
+    dest_row = dest_ptr + req * stride_dr + head * stride_dh
+    for chunk in range(TILE_CHUNKS):
+        offs_c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
+                                               (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr,
+                                               stride_sh, stride_ox, stride_oh, BLOCK_C)
+        kept = tl.where(ok & (band >= cut), size, 0)
+        ends = base + tl.cumsum(kept, 0)
+        tl.store(dest_row + offs_c, tl.where(kept > 0, ends - kept, -1), mask=ok)
+        base = tl.max(tl.where(ok, ends, base), 0)
+    tl.debug_barrier()
+    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
+    first_c = tile * TILE_CHUNKS * BLOCK_C
+    last_c = tl.minimum(first_c + TILE_CHUNKS * BLOCK_C, num_clusters)  # clusters [first_c, last_c)
+    if first_c < last_c:
+        slot_lo = tl.load(offsets_row + first_c)
+        slot_hi = tl.load(offsets_row + last_c)
+        for slot_start in range(slot_lo, slot_hi, BLOCK_S):
+            slots = slot_start + tl.arange(0, BLOCK_S)
+            in_tile = slots < slot_hi
+            lo = tl.zeros([BLOCK_S], tl.int32) + first_c  # the last cluster c with offsets[c] <= slot
+            hi = tl.zeros([BLOCK_S], tl.int32) + last_c
+            for _ in range(SEARCH_STEPS):
+                mid = (lo + hi) // 2
+                go_right = tl.load(offsets_row + mid, mask=in_tile, other=0) <= slots
+                lo = tl.where(go_right & (hi - lo > 1), mid, lo)
+                hi = tl.where(go_right | (hi - lo <= 1), hi, mid)
+            dest = tl.load(dest_row + lo, mask=in_tile, other=-1)
+            target = dest + slots - tl.load(offsets_row + lo, mask=in_tile, other=0)
+            position = tl.load(positions_ptr + context * stride_px + head * stride_ph + slots, mask=in_tile, other=0)
+            tl.store(selected_ptr + req * stride_qr + head * stride_qh + target, position,
+                     mask=in_tile & (dest >= 0) & (target < max_selected))
+
+
+def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
+                  budget: torch.Tensor, max_selected: int,
+                  context_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_positions` in four launches over tiles of clusters, with the budget met a score band at a time:
+    every cluster whose score band (SCORE_BANDS: scores within 12.5% share one) is at or above the row's cut, the
+    highest band at which the keys of the bands from there up reach the budget (every band if none does). So a row
+    takes at least its budget, and at most the budget plus the keys of the cut band; positions in cluster order.
+
+        bands of clusters 0, 1, 2: 7, 9, 8 (higher is better), sizes 3, 5, 2, budget 6: from band 9 down, 5 keys
+        (band 9), 7 keys (band 8 too): cut 8, clusters 1 and 2, count 7
+
+    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers); no threshold. Sorts nothing, so
+    its cost is two passes over the scores and one over the kept positions, whatever C is.
+    """
+    num_reqs, R, C = scores.shape
+    device = scores.device
+    selected = torch.zeros(num_reqs, R, max_selected, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=device)
+    if num_reqs == 0 or R == 0 or C == 0:
+        return selected, counts
+    block_c = 1024 if device.type == "cuda" else 16
+    chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
+    hist = torch.zeros(num_reqs, R, SCORE_BANDS, dtype=torch.int32, device=device)
+    budget = budget.to(torch.int32).expand(num_reqs, R).contiguous()
+    cut = torch.empty(num_reqs, R, dtype=torch.int32, device=device)
+    tile_keys = torch.empty(num_reqs, R, tiles, dtype=torch.int32, device=device)
+    dest = torch.empty(num_reqs, R, C, dtype=torch.int32, device=device)
+    contexts = dict(context_ids_ptr=scores if context_ids is None else context_ids, CONTEXTS=context_ids is not None)
+    offsets = cluster_offsets.to(torch.int32)
+    common = (*scores.stride()[:2], *offsets.stride()[:2])
+    _band_sizes_kernel[(num_reqs, R, tiles)](
+        scores, offsets, contexts["context_ids_ptr"], hist, C, *common, *hist.stride()[:2],
+        BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=contexts["CONTEXTS"])
+    _band_cut_kernel[(num_reqs, R)](
+        scores, offsets, contexts["context_ids_ptr"], hist, budget, cut, tile_keys, counts, C, tiles, max_selected,
+        *common, *hist.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
+        BANDS=SCORE_BANDS, BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=contexts["CONTEXTS"])
+    _band_gather_kernel[(num_reqs, R, tiles)](
+        scores, offsets, cluster_positions, contexts["context_ids_ptr"], cut, tile_keys, dest, selected, C, tiles,
+        max_selected, *common, *cluster_positions.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
+        *dest.stride()[:2], *selected.stride()[:2],
+        BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles), BLOCK_S=block_c,
+        SEARCH_STEPS=max(1, (chunks * block_c).bit_length()), CONTEXTS=contexts["CONTEXTS"])
+    return selected, counts
+
+
 def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sink: int, recent: int,
                  num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The context positions of each row's `num_pages` best pages (`page_scores`) among those with a position

@@ -122,6 +122,31 @@ def select_positions(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluste
     return selected, counts
 
 
+def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
+                  budget: torch.Tensor, max_selected: int,
+                  context_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selection.select_banded`, row by row: the keys per score band (float32 bits >> 20), the highest band from
+    which the keys of it and every band above reach the budget (band 0 if none), then every cluster of a band at or
+    above it, in cluster order; cut at max_selected."""
+    num_reqs, R, C = scores.shape
+    selected = torch.zeros(num_reqs, R, max_selected, dtype=torch.int32, device=scores.device)
+    counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=scores.device)
+    bands = (scores.float().view(torch.int32) >> 20).long()
+    for i in range(num_reqs):
+        context = i if context_ids is None else context_ids[i]
+        for r in range(R):
+            offsets = cluster_offsets[context, r].tolist()
+            sizes = torch.tensor([offsets[c + 1] - offsets[c] for c in range(C)])
+            keys_in = torch.zeros(2048, dtype=torch.long).index_add_(0, bands[i, r].cpu(), sizes)  # every band
+            keys_from = keys_in.flip(0).cumsum(0).flip(0)  # keys in a band and every band above
+            cut = max([band for band in range(2048) if keys_from[band] >= int(budget[i, r])], default=0)
+            taken = [p for c in range(C) if bands[i, r, c] >= cut
+                     for p in cluster_positions[context, r, offsets[c]:offsets[c + 1]].tolist()][:max_selected]
+            selected[i, r, :len(taken)] = torch.tensor(taken, dtype=torch.int32)
+            counts[i, r] = len(taken)
+    return selected, counts
+
+
 def select_pages(scores: torch.Tensor, seq_lens: list[int], block_size: int, sink: int, recent: int,
                  num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`selection.select_pages`, row by row: the best `num_pages` pages with a position between the sinks and the

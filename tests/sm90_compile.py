@@ -26,7 +26,8 @@ from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.selection import (_centroid_logits_kernel, _centroid_scores_kernel, _page_scores_kernel,
+from vllm_duo.kernels.selection import (SCORE_BANDS, _band_cut_kernel, _band_gather_kernel, _band_sizes_kernel,
+                                         _centroid_logits_kernel, _centroid_scores_kernel, _page_scores_kernel,
                                          _score_tiles)
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
@@ -134,6 +135,11 @@ def cases():
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
                    dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=4, BLOCK_T=64), {})
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
+            bands = dict(BLOCK_C=1024, TILE_CHUNKS=1, CONTEXTS=True)
+            yield f"band sizes {tag}", _band_sizes_kernel, model, cache, bands, {}
+            yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(bands, BANDS=SCORE_BANDS), {}
+            yield (f"band gather {tag}", _band_gather_kernel, model, cache,
+                   dict(bands, BLOCK_T=64, BLOCK_S=1024, SEARCH_STEPS=11), {})
 
 
 def main() -> int:

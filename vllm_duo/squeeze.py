@@ -6,9 +6,9 @@ A long context is clustered once, at the end of its prefill, layer by layer: eac
 the sinks and the end of the prompt are grouped by spherical K-means (kernels/clustering.py, `keys_per_cluster` keys
 per centroid on average, Squeezed Attention's n/16), and the context keeps per head its centroids, cluster sizes and
 the CSR of positions per cluster. At decode each request scores its query against its context's centroids
-(kernels/selection.py, the paper's Eq. 1, max over the GQA group), takes clusters in descending score until their
-keys fill `budget` of the clustered positions, and attends exactly over those keys plus the sinks and the recent
-window (kernels/sparse_decode.py):
+(kernels/selection.py, the paper's Eq. 1, max over the GQA group), takes clusters from the best score band down
+until their keys fill `budget` of the clustered positions (`select_banded`: bands of 12.5% in score, no sort), and
+attends exactly over those keys plus the sinks and the recent window (kernels/sparse_decode.py):
 
     prompt of 4,096 tokens, sink 64, recent 256, keys_per_cluster 16, budget 0.25
     clustered positions  [64, 4,096)                  -> 252 clusters per retrieval KV head
@@ -20,8 +20,8 @@ Tokens generated after the prompt are not clustered: a request decodes squeezed 
 
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
 centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
-as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes R x C and offsets R x (C + 1) int32, positions R x T int32; all of it
-preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable) and a build allocates nothing but
+as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes R x C and offsets R x (C + 1) int32,
+positions R x T int32; all of it preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable) and a build allocates nothing but
 the clustering's scratch. `ClusteredContexts.bytes_needed` is that sum.
 """
 
@@ -35,7 +35,7 @@ import torch
 from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, to_csr
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, read_retrieval
-from vllm_duo.kernels.selection import centroid_scores, select_positions
+from vllm_duo.kernels.selection import centroid_scores, select_banded
 
 
 @dataclass(frozen=True)
@@ -133,13 +133,14 @@ class ClusteredContexts:
                context_ids: torch.Tensor, budget: torch.Tensor, scale: float,
                max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions each decoding request's retrieval heads read beyond the sinks and window: its context's
-        best clusters (`context_ids` `[num_reqs]` int32 slots) up to `budget` `[num_reqs]` keys, cut at
-        `max_selected` -> selected `[num_reqs, R, max_selected]` int32, num_selected `[num_reqs, R]` int32."""
+        best score bands of clusters (`context_ids` `[num_reqs]` int32 slots) to at least `budget` `[num_reqs]`
+        keys, cut at `max_selected` -> selected `[num_reqs, R, max_selected]` int32, num_selected `[num_reqs, R]`
+        int32."""
         R = heads.num_retrieval
         scores = centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
                                  context_ids)
-        return select_positions(scores, self.offsets[layer], self.positions[layer],
-                                budget[:, None].expand(-1, R), max_selected, context_ids)
+        return select_banded(scores, self.offsets[layer], self.positions[layer], budget[:, None].expand(-1, R),
+                             max_selected, context_ids)
 
 
 def select_reference(contexts: ClusteredContexts, layer: int, query: torch.Tensor, heads: LayerHeads,
@@ -150,5 +151,5 @@ def select_reference(contexts: ClusteredContexts, layer: int, query: torch.Tenso
                                               query_start_loc, scale, context_ids)
     R = heads.num_retrieval
     budgets = torch.tensor(budget, dtype=torch.int32, device=query.device)[:, None].expand(-1, R)
-    return sparse_reference.select_positions(scores, contexts.offsets[layer], contexts.positions[layer], budgets,
-                                             max_selected, context_ids)
+    return sparse_reference.select_banded(scores, contexts.offsets[layer], contexts.positions[layer], budgets,
+                                          max_selected, context_ids)
