@@ -359,17 +359,17 @@ def _band_cut_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, budget_
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
-def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr, cut_ptr, tile_keys_ptr, dest_ptr,
-                        selected_ptr, num_clusters, num_tiles, max_selected,
+def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, slot_clusters_ptr, context_ids_ptr, cut_ptr,
+                        tile_keys_ptr, dest_ptr, selected_ptr, num_clusters, num_tiles, max_selected,
                         stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
                         stride_px: tl.int64, stride_ph: tl.int64, stride_br: tl.int64, stride_bh: tl.int64,
                         stride_tr: tl.int64, stride_th: tl.int64, stride_dr: tl.int64, stride_dh: tl.int64,
                         stride_qr: tl.int64, stride_qh: tl.int64,
                         BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_S: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
+                        BLOCK_S: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): the tile's kept clusters' positions, in cluster order, after those of the tiles
     before it. First each kept cluster's first slot in the result (`dest`, -1 if not kept), then every CSR slot of
-    the tile's clusters, its cluster found by binary search over the offsets, copied to its cluster's place."""
+    the tile's clusters (`slot_clusters` names each slot's cluster) copied to its cluster's place."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
     cut = tl.load(cut_ptr + req * stride_br + head * stride_bh)
@@ -395,22 +395,17 @@ def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr,
         for slot_start in range(slot_lo, slot_hi, BLOCK_S):
             slots = slot_start + tl.arange(0, BLOCK_S)
             in_tile = slots < slot_hi
-            lo = tl.zeros([BLOCK_S], tl.int32) + first_c  # the last cluster c with offsets[c] <= slot
-            hi = tl.zeros([BLOCK_S], tl.int32) + last_c
-            for _ in range(SEARCH_STEPS):
-                mid = (lo + hi) // 2
-                go_right = tl.load(offsets_row + mid, mask=in_tile, other=0) <= slots
-                lo = tl.where(go_right & (hi - lo > 1), mid, lo)
-                hi = tl.where(go_right | (hi - lo <= 1), hi, mid)
-            dest = tl.load(dest_row + lo, mask=in_tile, other=-1)
-            target = dest + slots - tl.load(offsets_row + lo, mask=in_tile, other=0)
-            position = tl.load(positions_ptr + context * stride_px + head * stride_ph + slots, mask=in_tile, other=0)
+            row = context * stride_px + head * stride_ph + slots
+            cluster = tl.load(slot_clusters_ptr + row, mask=in_tile, other=0)
+            dest = tl.load(dest_row + cluster, mask=in_tile, other=-1)
+            target = dest + slots - tl.load(offsets_row + cluster, mask=in_tile & (dest >= 0), other=0)
+            position = tl.load(positions_ptr + row, mask=in_tile & (dest >= 0), other=0)
             tl.store(selected_ptr + req * stride_qr + head * stride_qh + target, position,
                      mask=in_tile & (dest >= 0) & (target < max_selected))
 
 
 def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
-                  budget: torch.Tensor, max_selected: int,
+                  slot_clusters: torch.Tensor, budget: torch.Tensor, max_selected: int,
                   context_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_positions` in four launches over tiles of clusters, with the budget met a score band at a time:
     every cluster whose score band (SCORE_BANDS: scores within 12.5% share one) is at or above the row's cut, the
@@ -420,8 +415,9 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         bands of clusters 0, 1, 2: 7, 9, 8 (higher is better), sizes 3, 5, 2, budget 6: from band 9 down, 5 keys
         (band 9), 7 keys (band 8 too): cut 8, clusters 1 and 2, count 7
 
-    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers); no threshold. Sorts nothing, so
-    its cost is two passes over the scores and one over the kept positions, whatever C is.
+    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers; no threshold), and
+    `slot_clusters` `[num_contexts, R, T]` int32: the cluster of each CSR slot (`clustering.slot_clusters`). Sorts
+    nothing: two passes over the scores and one over the CSR slots.
     """
     num_reqs, R, C = scores.shape
     device = scores.device
@@ -447,11 +443,12 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         *common, *hist.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
         BANDS=SCORE_BANDS, BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=contexts["CONTEXTS"])
     _band_gather_kernel[(num_reqs, R, tiles)](
-        scores, offsets, cluster_positions, contexts["context_ids_ptr"], cut, tile_keys, dest, selected, C, tiles,
+        scores, offsets, cluster_positions, slot_clusters, contexts["context_ids_ptr"], cut, tile_keys, dest, selected,
+        C, tiles,
         max_selected, *common, *cluster_positions.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
         *dest.stride()[:2], *selected.stride()[:2],
         BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles), BLOCK_S=block_c,
-        SEARCH_STEPS=max(1, (chunks * block_c).bit_length()), CONTEXTS=contexts["CONTEXTS"])
+        CONTEXTS=contexts["CONTEXTS"])
     return selected, counts
 
 

@@ -10,6 +10,7 @@ from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, as
 
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.decode import decode_attention
+from vllm_duo.kernels.clustering import slot_clusters
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
 from vllm_duo.kernels.selection import (centroid_scores, page_scores, select_banded, select_pages,
                                          select_positions)
@@ -261,7 +262,8 @@ def test_select_banded(budget, max_selected, shared):
     budget = (torch.randint(0, 90, (num_reqs, R), dtype=torch.int32) if budget == "per_row"
               else torch.full((num_reqs, R), budget, dtype=torch.int32))
     contexts = torch.tensor([1, 0, 0, 1], dtype=torch.int32) if shared else None
-    got = select_banded(scores, offsets, positions, budget, max_selected, contexts)
+    got = select_banded(scores, offsets, positions, slot_clusters(offsets, positions.shape[-1]), budget, max_selected,
+                        contexts)
     expected = ref.select_banded(scores, offsets, positions, budget, max_selected,
                                  None if contexts is None else contexts.tolist())
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
