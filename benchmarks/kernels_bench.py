@@ -898,7 +898,7 @@ def bench_squeeze_decode(fa, rows, out_json):
     average): timing only; equality with duo at a full budget is tests/test_squeeze.py's."""
     from vllm_duo import gpu_attention
     from vllm_duo.kernels.attention import triton_attention
-    from vllm_duo.kernels.clustering import slot_clusters, to_csr
+    from vllm_duo.kernels.clustering import to_csr
     from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
@@ -927,15 +927,13 @@ def bench_squeeze_decode(fa, rows, out_json):
             offsets, positions = to_csr(torch.randint(0, C, (R, T), device=DEV), C, positions_offset=SINK)
             stores[R] = (torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV),
                          (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
-                         offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous(),
-                         slot_clusters(offsets, T).expand(batch, R, T).contiguous())
+                         offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous())
         res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
 
-        def choose(scores, offsets, positions, owners, k, banded=True):
+        def choose(scores, offsets, positions, k, banded=True):
             budget = torch.full(scores.shape[:2], T // k, dtype=torch.int32, device=DEV)
-            if banded:
-                return select_banded(scores, offsets, positions, owners, budget, T // k + T // 16)
-            return select_positions(scores, offsets, positions, budget, T // k + T // 16)
+            chooser = select_banded if banded else select_positions
+            return chooser(scores, offsets, positions, budget, T // k + T // 16)
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
@@ -951,14 +949,14 @@ def bench_squeeze_decode(fa, rows, out_json):
                         continue
                     if write:
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
-                    centroids, sizes, offsets, positions, owners = stores[R]
+                    centroids, sizes, offsets, positions = stores[R]
 
                     def retrieval():
                         if lookup:
                             scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE)
                             if not select:
                                 return
-                            selected = choose(scores, offsets, positions, owners, budget, banded)
+                            selected = choose(scores, offsets, positions, budget, banded)
                         else:
                             selected = selections[R]
                         if attend:
@@ -989,12 +987,17 @@ def bench_squeeze_decode(fa, rows, out_json):
             timed(f"squeeze 1/{k}", step(k))
             timed(f"squeeze 1/{k}: lookup only", step(k, write=False, attend=False))
             selections = {}
-            for R, (centroids, sizes, offsets, positions, owners) in stores.items():
+            for R, (centroids, sizes, offsets, positions) in stores.items():
                 scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE)
-                selections[R] = choose(scores, offsets, positions, owners, k)
+                selections[R] = choose(scores, offsets, positions, k)
             res.setdefault("mean_selected", {})[f"1/{k}"] = float(
                 sum(selections[R][1].float().mean() * counts.count(R) for R in selections) / len(counts))
             timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
+        lookup = step(16, write=False, attend=False)
+        res["lookup_kernels"] = profile = kernel_profile(capture(lookup), lookup)
+        print(f"\n{case} lookup at 1/16, kernels ({profile['source']}): {profile['device_us_per_step']:.0f} us per step")
+        for k in profile["kernels"]:
+            print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:5.0f} x  {k['name']}")
         results.append(res)
         del layouts, retrieval_tables, stores
         torch.cuda.empty_cache()

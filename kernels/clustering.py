@@ -227,15 +227,3 @@ def to_csr(labels: torch.Tensor, num_clusters: int, positions_offset: int = 0) -
         1, labels.long(), torch.ones(H, T, dtype=torch.int32, device=labels.device))
     offsets = F.pad(counts.cumsum(-1, dtype=torch.int32), (1, 0))
     return offsets, (order + positions_offset).to(torch.int32).contiguous()
-
-
-def slot_clusters(cluster_offsets: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """The cluster of each slot of a CSR (`to_csr`'s offsets `[..., C + 1]`), as `selection.select_banded` reads:
-
-        offsets [[0, 1, 4, 4]], 4 slots: [[0, 1, 1, 1]]   (cluster 2 is empty)
-
-    Returns `[..., num_slots]` int32 (slots past the last offset: the last cluster)."""
-    slots = torch.arange(num_slots, device=cluster_offsets.device)
-    starts = cluster_offsets[..., 1:-1].contiguous()
-    found = torch.searchsorted(starts, slots.expand(*starts.shape[:-1], num_slots).contiguous(), right=True)
-    return found.to(torch.int32)

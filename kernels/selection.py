@@ -359,55 +359,45 @@ def _band_cut_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, budget_
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
-def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, slot_clusters_ptr, context_ids_ptr, cut_ptr,
-                        tile_keys_ptr, dest_ptr, selected_ptr, num_clusters, num_tiles, max_selected,
+def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr, cut_ptr, tile_keys_ptr,
+                        selected_ptr, num_clusters, num_tiles, max_selected,
                         stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
                         stride_px: tl.int64, stride_ph: tl.int64, stride_br: tl.int64, stride_bh: tl.int64,
-                        stride_tr: tl.int64, stride_th: tl.int64, stride_dr: tl.int64, stride_dh: tl.int64,
-                        stride_qr: tl.int64, stride_qh: tl.int64,
-                        BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_S: tl.constexpr, CONTEXTS: tl.constexpr):
+                        stride_tr: tl.int64, stride_th: tl.int64, stride_qr: tl.int64, stride_qh: tl.int64,
+                        TILE: tl.constexpr, BLOCK_T: tl.constexpr, GATHER_C: tl.constexpr, COPY_W: tl.constexpr,
+                        CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): the tile's kept clusters' positions, in cluster order, after those of the tiles
-    before it. First each kept cluster's first slot in the result (`dest`, -1 if not kept), then every CSR slot of
-    the tile's clusters (`slot_clusters` names each slot's cluster) copied to its cluster's place."""
+    before it: GATHER_C clusters at a time, each kept cluster's CSR slots copied COPY_W at a time to its place
+    (its first slot: the keys kept before it). Reads only the kept clusters' slots."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
     cut = tl.load(cut_ptr + req * stride_br + head * stride_bh)
     offs_t = tl.arange(0, BLOCK_T)
     before = tl.load(tile_keys_ptr + req * stride_tr + head * stride_th + offs_t, mask=offs_t < tile, other=0)
     base = tl.sum(before, 0)
-    dest_row = dest_ptr + req * stride_dr + head * stride_dh
-    for chunk in range(TILE_CHUNKS):
-        offs_c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
-                                               (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr,
-                                               stride_sh, stride_ox, stride_oh, BLOCK_C)
+    positions_row = positions_ptr + context * stride_px + head * stride_ph
+    selected_row = selected_ptr + req * stride_qr + head * stride_qh
+    offs_w = tl.arange(0, COPY_W)
+    for sub in range(TILE // GATHER_C):
+        start = tile * TILE + sub * GATHER_C
+        offs_c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context, start, num_clusters,
+                                               stride_sr, stride_sh, stride_ox, stride_oh, GATHER_C)
         kept = tl.where(ok & (band >= cut), size, 0)
         ends = base + tl.cumsum(kept, 0)
-        tl.store(dest_row + offs_c, tl.where(kept > 0, ends - kept, -1), mask=ok)
+        dest = ends - kept
+        first = tl.load(offsets_ptr + context * stride_ox + head * stride_oh + offs_c, mask=ok, other=0)
+        for k in range(0, tl.max(kept, 0), COPY_W):
+            j = k + offs_w[None, :]
+            copy = (j < kept[:, None]) & (dest[:, None] + j < max_selected)
+            position = tl.load(positions_row + first[:, None] + j, mask=copy, other=0)
+            tl.store(selected_row + dest[:, None] + j, position, mask=copy)
         base = tl.max(tl.where(ok, ends, base), 0)
-    tl.debug_barrier()
-    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
-    first_c = tile * TILE_CHUNKS * BLOCK_C
-    last_c = tl.minimum(first_c + TILE_CHUNKS * BLOCK_C, num_clusters)  # clusters [first_c, last_c)
-    if first_c < last_c:
-        slot_lo = tl.load(offsets_row + first_c)
-        slot_hi = tl.load(offsets_row + last_c)
-        for slot_start in range(slot_lo, slot_hi, BLOCK_S):
-            slots = slot_start + tl.arange(0, BLOCK_S)
-            in_tile = slots < slot_hi
-            row = context * stride_px + head * stride_ph + slots
-            cluster = tl.load(slot_clusters_ptr + row, mask=in_tile, other=0)
-            dest = tl.load(dest_row + cluster, mask=in_tile, other=-1)
-            target = dest + slots - tl.load(offsets_row + cluster, mask=in_tile & (dest >= 0), other=0)
-            position = tl.load(positions_ptr + row, mask=in_tile & (dest >= 0), other=0)
-            tl.store(selected_ptr + req * stride_qr + head * stride_qh + target, position,
-                     mask=in_tile & (dest >= 0) & (target < max_selected))
 
 
 def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
-                  slot_clusters: torch.Tensor, budget: torch.Tensor, max_selected: int,
+                  budget: torch.Tensor, max_selected: int,
                   context_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_positions` in four launches over tiles of clusters, with the budget met a score band at a time:
+    """`select_positions` in three launches over tiles of clusters, with the budget met a score band at a time:
     every cluster whose score band (SCORE_BANDS: scores within 12.5% share one) is at or above the row's cut, the
     highest band at which the keys of the bands from there up reach the budget (every band if none does). So a row
     takes at least its budget, and at most the budget plus the keys of the cut band; positions in cluster order.
@@ -415,9 +405,8 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         bands of clusters 0, 1, 2: 7, 9, 8 (higher is better), sizes 3, 5, 2, budget 6: from band 9 down, 5 keys
         (band 9), 7 keys (band 8 too): cut 8, clusters 1 and 2, count 7
 
-    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers; no threshold), and
-    `slot_clusters` `[num_contexts, R, T]` int32: the cluster of each CSR slot (`clustering.slot_clusters`). Sorts
-    nothing: two passes over the scores and one over the CSR slots.
+    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers); no threshold. Sorts nothing, so
+    its cost is two passes over the scores and one over the kept positions, whatever C is.
     """
     num_reqs, R, C = scores.shape
     device = scores.device
@@ -431,7 +420,6 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
     budget = budget.to(torch.int32).expand(num_reqs, R).contiguous()
     cut = torch.empty(num_reqs, R, dtype=torch.int32, device=device)
     tile_keys = torch.empty(num_reqs, R, tiles, dtype=torch.int32, device=device)
-    dest = torch.empty(num_reqs, R, C, dtype=torch.int32, device=device)
     contexts = dict(context_ids_ptr=scores if context_ids is None else context_ids, CONTEXTS=context_ids is not None)
     offsets = cluster_offsets.to(torch.int32)
     common = (*scores.stride()[:2], *offsets.stride()[:2])
@@ -443,11 +431,10 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         *common, *hist.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
         BANDS=SCORE_BANDS, BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=contexts["CONTEXTS"])
     _band_gather_kernel[(num_reqs, R, tiles)](
-        scores, offsets, cluster_positions, slot_clusters, contexts["context_ids_ptr"], cut, tile_keys, dest, selected,
-        C, tiles,
+        scores, offsets, cluster_positions, contexts["context_ids_ptr"], cut, tile_keys, selected, C, tiles,
         max_selected, *common, *cluster_positions.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
-        *dest.stride()[:2], *selected.stride()[:2],
-        BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles), BLOCK_S=block_c,
+        *selected.stride()[:2],
+        TILE=chunks * block_c, BLOCK_T=triton.next_power_of_2(tiles), GATHER_C=min(block_c, 128), COPY_W=16,
         CONTEXTS=contexts["CONTEXTS"])
     return selected, counts
 

@@ -139,7 +139,7 @@ def cases():
             yield f"band sizes {tag}", _band_sizes_kernel, model, cache, bands, {}
             yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(bands, BANDS=SCORE_BANDS), {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
-                   dict(bands, BLOCK_T=64, BLOCK_S=1024), {})
+                   dict(TILE=1024, BLOCK_T=64, GATHER_C=128, COPY_W=16, CONTEXTS=True), {})
 
 
 def main() -> int:

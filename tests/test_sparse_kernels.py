@@ -10,7 +10,6 @@ from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, as
 
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.decode import decode_attention
-from vllm_duo.kernels.clustering import slot_clusters
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
 from vllm_duo.kernels.selection import (centroid_scores, page_scores, select_banded, select_pages,
                                          select_positions)
@@ -249,12 +248,13 @@ def test_select_positions(budget, max_selected, shared, threshold):
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
 
 
-@pytest.mark.parametrize("budget, max_selected, shared", [
-    (10, 40, False), (0, 8, False), (1000, 30, True), ("per_row", 64, True), (25, 12, False)])
-def test_select_banded(budget, max_selected, shared):
+@pytest.mark.parametrize("budget, max_selected, shared, C", [
+    (10, 40, False, 40), (0, 8, False, 40), (1000, 30, True, 40), ("per_row", 64, True, 40), (25, 12, False, 40),
+    (60, 200, False, 6)])  # clusters of ~50 keys: copied 16 at a time
+def test_select_banded(budget, max_selected, shared, C):
     """The fast selection: whole score bands from the top until the budget is met, in cluster order; over several
     tiles of clusters (the interpreter's tiles hold 16), with ties, empty clusters and rows cut at max_selected."""
-    num_reqs, R, C = 4, 3, 40
+    num_reqs, R = 4, 3
     lengths = [150, 7, 93, 164]
     offsets, positions = clustered(2 if shared else num_reqs, R, lengths, C)
     scores = torch.rand(num_reqs, R, C) ** 4
@@ -262,8 +262,7 @@ def test_select_banded(budget, max_selected, shared):
     budget = (torch.randint(0, 90, (num_reqs, R), dtype=torch.int32) if budget == "per_row"
               else torch.full((num_reqs, R), budget, dtype=torch.int32))
     contexts = torch.tensor([1, 0, 0, 1], dtype=torch.int32) if shared else None
-    got = select_banded(scores, offsets, positions, slot_clusters(offsets, positions.shape[-1]), budget, max_selected,
-                        contexts)
+    got = select_banded(scores, offsets, positions, budget, max_selected, contexts)
     expected = ref.select_banded(scores, offsets, positions, budget, max_selected,
                                  None if contexts is None else contexts.tolist())
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])

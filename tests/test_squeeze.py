@@ -110,8 +110,8 @@ def test_settings_memory_and_window():
         SqueezeSettings(keys_per_cluster=0)
     settings = SqueezeSettings(max_contexts=2, max_context_len=1000, keys_per_cluster=16)
     contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings)
-    kinds = (contexts.centroids, contexts.sizes, contexts.offsets, contexts.positions, contexts.slot_clusters)
-    allocated = sum(t.nbytes for kind in kinds for t in kind)
+    allocated = sum(t.nbytes for kind in (contexts.centroids, contexts.sizes, contexts.offsets, contexts.positions)
+                    for t in kind)
     assert ClusteredContexts.bytes_needed(TWO_LAYERS, 64, settings) == allocated
     case = make_case(CASE)
     cache, _ = written_caches(case)

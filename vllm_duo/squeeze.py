@@ -21,7 +21,7 @@ Tokens generated after the prompt are not clustered: a request decodes squeezed 
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
 centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
 as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes R x C and offsets R x (C + 1) int32,
-positions and their clusters R x T int32 each; all of it preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable) and a build allocates nothing but
+positions R x T int32; all of it preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable) and a build allocates nothing but
 the clustering's scratch. `ClusteredContexts.bytes_needed` is that sum.
 """
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_duo.kernels import sparse_reference
-from vllm_duo.kernels.clustering import cluster_keys, slot_clusters, to_csr
+from vllm_duo.kernels.clustering import cluster_keys, to_csr
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, read_retrieval
 from vllm_duo.kernels.selection import centroid_scores, select_banded
 
@@ -65,8 +65,7 @@ class ClusteredContexts:
     """Per layer, `max_contexts` slots of clustered retrieval keys:
 
     - centroids `[slots, R, C, head_dim]` (`centroid_dtype`), sizes `[slots, R, C]` int32 (0: no such cluster);
-    - offsets `[slots, R, C + 1]` int32 and positions `[slots, R, T]` int32: the CSR of positions per cluster, and
-      slot_clusters `[slots, R, T]` int32, the cluster of each of its slots;
+    - offsets `[slots, R, C + 1]` int32 and positions `[slots, R, T]` int32: the CSR of positions per cluster;
     - `clustered[slot]`: how many positions a slot's CSR holds (0: free), `prompt_len[slot]`: where its prompt ends.
 
     C and T are the largest a slot can need (`SqueezeSettings.max_context_len`); a smaller context leaves the
@@ -84,7 +83,6 @@ class ClusteredContexts:
         self.sizes = [torch.zeros(slots, R, C, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.offsets = [torch.zeros(slots, R, C + 1, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
-        self.slot_clusters = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.clustered = [0] * slots
         self.prompt_len = [0] * slots
 
@@ -93,7 +91,7 @@ class ClusteredContexts:
                      centroid_dtype: torch.dtype = torch.bfloat16) -> int:
         T = settings.max_context_len
         C = settings.num_clusters(T)
-        per_head = C * head_dim * centroid_dtype.itemsize + C * 4 + (C + 1) * 4 + 2 * T * 4
+        per_head = C * head_dim * centroid_dtype.itemsize + C * 4 + (C + 1) * 4 + T * 4
         return settings.max_contexts * sum(retrieval_per_layer) * per_head
 
     def build(self, layer: int, slot: int, cache: torch.Tensor, heads: LayerHeads, table_row: torch.Tensor,
@@ -117,7 +115,6 @@ class ClusteredContexts:
             self.offsets[layer][slot, :, :C + 1] = offsets
             self.offsets[layer][slot, :, C + 1:] = offsets[:, -1:]
             self.positions[layer][slot, :, :T] = positions
-            self.slot_clusters[layer][slot, :, :T] = slot_clusters(offsets, T)
         self.clustered[slot], self.prompt_len[slot] = T, prompt_len
 
     def free(self, slot: int) -> None:
@@ -142,8 +139,8 @@ class ClusteredContexts:
         R = heads.num_retrieval
         scores = centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
                                  context_ids)
-        return select_banded(scores, self.offsets[layer], self.positions[layer], self.slot_clusters[layer],
-                             budget[:, None].expand(-1, R), max_selected, context_ids)
+        return select_banded(scores, self.offsets[layer], self.positions[layer], budget[:, None].expand(-1, R),
+                             max_selected, context_ids)
 
 
 def select_reference(contexts: ClusteredContexts, layer: int, query: torch.Tensor, heads: LayerHeads,
