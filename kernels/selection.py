@@ -317,31 +317,33 @@ def _cluster_tile(scores_ptr, offsets_ptr, req, head, context, start, num_cluste
 @triton.jit(do_not_specialize=["num_clusters"])
 def _band_sizes_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, num_clusters,
                        stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
-                       stride_hr: tl.int64, stride_hh: tl.int64,
+                       stride_hr: tl.int64, stride_hh: tl.int64, stride_ht: tl.int64,
                        BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, tiles): each row's keys per score band (integer atomics: the sums do not depend on order)."""
+    """Grid (num_reqs, R, tiles): each tile's keys per score band, in a histogram of its own (integer atomics: the
+    sums do not depend on order)."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
+    hist_row = hist_ptr + req * stride_hr + head * stride_hh + tile * stride_ht
     for chunk in range(TILE_CHUNKS):
         _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
                                            (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr, stride_sh,
                                            stride_ox, stride_oh, BLOCK_C)
-        tl.atomic_add(hist_ptr + req * stride_hr + head * stride_hh + band, size, mask=ok & (size > 0))
+        tl.atomic_add(hist_row + band, size, mask=ok & (size > 0))
 
 
-@triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
-def _band_cut_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, budget_ptr, cut_ptr, tile_keys_ptr,
-                     counts_ptr, num_clusters, num_tiles, max_selected,
-                     stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
-                     stride_hr: tl.int64, stride_hh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64,
-                     stride_tr: tl.int64, stride_th: tl.int64,
-                     BANDS: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R): the row's cut, the highest band whose keys and those of every band above reach the budget
-    (0: every band), the keys taken (at most max_selected), and the keys each tile of clusters keeps."""
+@triton.jit(do_not_specialize=["num_tiles", "max_selected"])
+def _band_cut_kernel(hist_ptr, budget_ptr, cut_ptr, tile_keys_ptr, counts_ptr, num_tiles, max_selected,
+                     stride_hr: tl.int64, stride_hh: tl.int64, stride_ht: tl.int64, stride_br: tl.int64,
+                     stride_bh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64, BANDS: tl.constexpr):
+    """Grid (num_reqs, R): from the tiles' histograms, the row's cut, the highest band whose keys and those of every
+    band above reach the budget (0: every band), the keys taken (at most max_selected), and the keys each tile
+    keeps."""
     req, head = tl.program_id(0), tl.program_id(1)
-    context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
     bands = tl.arange(0, BANDS)
-    hist = tl.load(hist_ptr + req * stride_hr + head * stride_hh + bands)
+    hist_rows = hist_ptr + req * stride_hr + head * stride_hh
+    hist = tl.zeros([BANDS], tl.int32)
+    for tile in range(num_tiles):
+        hist += tl.load(hist_rows + tile * stride_ht + bands)
     above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys in this band and every band above
     budget = tl.load(budget_ptr + req * stride_br + head * stride_bh)
     cut = tl.max(tl.where(above >= budget, bands, 0), 0)
@@ -349,13 +351,8 @@ def _band_cut_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, budget_
     tl.store(cut_ptr + req * stride_br + head * stride_bh, cut)
     tl.store(counts_ptr + req * stride_br + head * stride_bh, tl.minimum(taken, max_selected))
     for tile in range(num_tiles):
-        keys = tl.zeros([BLOCK_C], tl.int32)
-        for chunk in range(TILE_CHUNKS):
-            _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
-                                               (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr,
-                                               stride_sh, stride_ox, stride_oh, BLOCK_C)
-            keys += tl.where(ok & (band >= cut), size, 0)
-        tl.store(tile_keys_ptr + req * stride_tr + head * stride_th + tile, tl.sum(keys, 0))
+        kept = tl.where(bands >= cut, tl.load(hist_rows + tile * stride_ht + bands), 0)
+        tl.store(tile_keys_ptr + req * stride_tr + head * stride_th + tile, tl.sum(kept, 0))
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
@@ -416,7 +413,7 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         return selected, counts
     block_c = 1024 if device.type == "cuda" else 16
     chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
-    hist = torch.zeros(num_reqs, R, SCORE_BANDS, dtype=torch.int32, device=device)
+    hist = torch.zeros(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device)
     budget = budget.to(torch.int32).expand(num_reqs, R).contiguous()
     cut = torch.empty(num_reqs, R, dtype=torch.int32, device=device)
     tile_keys = torch.empty(num_reqs, R, tiles, dtype=torch.int32, device=device)
@@ -424,12 +421,11 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
     offsets = cluster_offsets.to(torch.int32)
     common = (*scores.stride()[:2], *offsets.stride()[:2])
     _band_sizes_kernel[(num_reqs, R, tiles)](
-        scores, offsets, contexts["context_ids_ptr"], hist, C, *common, *hist.stride()[:2],
+        scores, offsets, contexts["context_ids_ptr"], hist, C, *common, *hist.stride()[:3],
         BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=contexts["CONTEXTS"])
     _band_cut_kernel[(num_reqs, R)](
-        scores, offsets, contexts["context_ids_ptr"], hist, budget, cut, tile_keys, counts, C, tiles, max_selected,
-        *common, *hist.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
-        BANDS=SCORE_BANDS, BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=contexts["CONTEXTS"])
+        hist, budget, cut, tile_keys, counts, tiles, max_selected, *hist.stride()[:3], *budget.stride(),
+        *tile_keys.stride()[:2], BANDS=SCORE_BANDS)
     _band_gather_kernel[(num_reqs, R, tiles)](
         scores, offsets, cluster_positions, contexts["context_ids_ptr"], cut, tile_keys, selected, C, tiles,
         max_selected, *common, *cluster_positions.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],

@@ -137,7 +137,7 @@ def cases():
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
             bands = dict(BLOCK_C=1024, TILE_CHUNKS=1, CONTEXTS=True)
             yield f"band sizes {tag}", _band_sizes_kernel, model, cache, bands, {}
-            yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(bands, BANDS=SCORE_BANDS), {}
+            yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(BANDS=SCORE_BANDS), {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
                    dict(TILE=1024, BLOCK_T=64, GATHER_C=128, COPY_W=16, CONTEXTS=True), {})
 
