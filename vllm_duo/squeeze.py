@@ -77,7 +77,6 @@ class ClusteredContexts:
         self.settings, self.sink, self.device = settings, sink, torch.device(device)
         slots, T = settings.max_contexts, settings.max_context_len
         C = settings.num_clusters(T)
-        self.max_clusters = C
         self.centroids = [torch.zeros(slots, R, C, head_dim, dtype=centroid_dtype, device=device)
                           for R in retrieval_per_layer]
         self.sizes = [torch.zeros(slots, R, C, dtype=torch.int32, device=device) for R in retrieval_per_layer]
