@@ -29,25 +29,27 @@ from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 
 @triton.jit
-def _key_list(seq_len, num_selected, sink, recent):
+def _key_list(seq_len, num_selected, sink, recent, context_end):
     """(sinks, first window position, list length) of one request's key list: the sinks [0, min(sink, seq_len)),
-    the selected positions, the window [max(sink, seq_len - recent), seq_len)."""
+    the selected positions, the window [max(sink, min(seq_len - recent, context_end)), seq_len)."""
     num_sink = tl.minimum(sink, seq_len)
-    window = tl.maximum(sink, seq_len - recent)
+    window = tl.maximum(sink, tl.minimum(seq_len - recent, context_end))
     return num_sink, window, num_sink + num_selected + tl.maximum(seq_len - window, 0)
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "stride", "sink", "recent", "max_selected"])
 def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr,
                           query_start_loc_ptr, seq_lens_ptr, block_table_ptr, selected_ptr, num_selected_ptr,
-                          k_scale_ptr, v_scale_ptr, qk_scale, num_retrieval, stride, sink, recent, max_selected,
+                          context_ends_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_retrieval, stride, sink, recent,
+                          max_selected,
                           stride_qt: tl.int64, stride_qh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                           stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                           stride_ch: tl.int64, stride_selr: tl.int64, stride_selh: tl.int64, stride_nr: tl.int64,
                           stride_nh: tl.int64,
                           G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                          MIN_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr):
+                          MIN_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
+                          CONTEXT_ENDS: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS): split `pid % MAX_SPLITS` of retrieval head `pid // MAX_SPLITS`'s key list.
 
     Requests whose query length is not 1 exit at once, and so do splits past the list. A selected position in
@@ -63,7 +65,8 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
         return
     seq_len = tl.load(seq_lens_ptr + req)
     num_selected = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
-    num_sink, window, length = _key_list(seq_len, num_selected, sink, recent)
+    context_end = tl.load(context_ends_ptr + req) if CONTEXT_ENDS else seq_len
+    num_sink, window, length = _key_list(seq_len, num_selected, sink, recent, context_end)
     split_len = keys_per_split(length, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
     lo = split * split_len
     hi = tl.minimum(length, lo + split_len)
@@ -99,10 +102,11 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
 
 @triton.jit(do_not_specialize=["num_retrieval", "sink", "recent", "max_selected"])
 def _sparse_merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, query_start_loc_ptr, seq_lens_ptr,
-                         num_selected_ptr, num_retrieval, sink, recent, max_selected,
+                         num_selected_ptr, context_ends_ptr, num_retrieval, sink, recent, max_selected,
                          stride_ot: tl.int64, stride_oh: tl.int64, stride_nr: tl.int64, stride_nh: tl.int64,
                          G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
+                         MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
+                         CONTEXT_ENDS: tl.constexpr):
     """Grid (num_reqs, R * G): combine one retrieval query head's split results (those within its key list)."""
     req = tl.program_id(0)
     h = tl.program_id(1)
@@ -111,7 +115,9 @@ def _sparse_merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, 
         return
     head = h // G
     num_selected = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
-    _, _, length = _key_list(tl.load(seq_lens_ptr + req), num_selected, sink, recent)
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_end = tl.load(context_ends_ptr + req) if CONTEXT_ENDS else seq_len
+    _, _, length = _key_list(seq_len, num_selected, sink, recent, context_end)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = (offs_s * keys_per_split(length, MAX_SPLITS, BLOCK_N, MIN_SPLIT) < length) & (offs_s < MAX_SPLITS)
     out = merge_parts(part_out_ptr, part_lse_ptr, (req * num_retrieval * G + h) * MAX_SPLITS + offs_s, s_ok,
@@ -127,7 +133,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
                             scale: float, output: torch.Tensor, selected: torch.Tensor, num_selected: torch.Tensor,
                             max_num_splits: int | None = None, quant: KVQuant | None = None,
                             sink: int | None = None, recent: int | None = None, checked: bool = False,
-                            min_split: int | None = None) -> None:
+                            min_split: int | None = None, context_ends: torch.Tensor | None = None) -> None:
     """Attention of the retrieval heads of every request with exactly one new token over their sinks, window and
     selected positions; other requests, and the streaming heads, are left untouched.
 
@@ -151,6 +157,9 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         sink, recent: the sinks and window every head attends (default `heads.sink`, `heads.recent`).
         checked: the caller has validated these inputs.
         min_split: the shortest split in keys, a multiple of the key tile (default as `decode_attention`).
+        context_ends: `[num_reqs]` int32, where each request's selectable positions end (a squeezed context's prompt
+            length): its window starts there at the latest, so tokens generated after the clustered context are
+            always read, however many. None: the window is the last `recent` positions.
     """
     sink = heads.sink if sink is None else sink
     recent = heads.recent if recent is None else recent
@@ -174,18 +183,20 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         part_lse = torch.empty(num_reqs, R * G, max_num_splits, dtype=torch.float32, device=cache.device)
     _sparse_decode_kernel[(num_reqs, R * max_num_splits)](
         query, cache, output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
-        selected, num_selected, *scale_tensors(quant, cache), scale * LOG2E, R, heads.stride, sink, recent,
+        selected, num_selected, seq_lens if context_ends is None else context_ends, *scale_tensors(quant, cache),
+        scale * LOG2E, R, heads.stride, sink, recent,
         max_selected, *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *selected.stride()[:2], *num_selected.stride(),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
-        FP16=fp8_in_fp16(cache, query), num_warps=4, num_stages=num_stages)
+        FP16=fp8_in_fp16(cache, query), CONTEXT_ENDS=context_ends is not None, num_warps=4, num_stages=num_stages)
     if max_num_splits > 1:
         _sparse_merge_kernel[(num_reqs, R * G)](
-            output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, num_selected, R, sink, recent,
-            max_selected, *output.stride()[:2], *num_selected.stride(),
+            output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, num_selected,
+            seq_lens if context_ends is None else context_ends, R, sink, recent, max_selected, *output.stride()[:2],
+            *num_selected.stride(),
             G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, MIN_SPLIT=min_split,
-            BLOCK_S=triton.next_power_of_2(max_num_splits), num_warps=4)
+            BLOCK_S=triton.next_power_of_2(max_num_splits), CONTEXT_ENDS=context_ends is not None, num_warps=4)
 
 
 def check_selection(selected: torch.Tensor, num_selected: torch.Tensor, num_reqs: int, num_retrieval: int,

@@ -11,10 +11,12 @@ import torch
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, attend, read_retrieval
 
 
-def key_positions(seq_len: int, chosen: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+def key_positions(seq_len: int, chosen: torch.Tensor, sink: int, recent: int,
+                  context_end: int | None = None) -> torch.Tensor:
     """The positions a retrieval head attends at decode: the sinks, the chosen positions between the sinks and the
-    window (others are dropped: each key counts once), the window (q - recent, q] of the new token q."""
-    window = max(sink, seq_len - recent)
+    window (others are dropped: each key counts once), the window (q - recent, q] of the new token q, from
+    `context_end` on if that is earlier."""
+    window = max(sink, min(seq_len - recent, seq_len if context_end is None else context_end))
     chosen = chosen.long()
     between = chosen[(chosen >= sink) & (chosen < window)]
     return torch.cat([torch.arange(min(sink, seq_len), device=chosen.device), between,
@@ -24,7 +26,8 @@ def key_positions(seq_len: int, chosen: torch.Tensor, sink: int, recent: int) ->
 def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: list[int],
                             seq_lens: list[int], block_table: torch.Tensor, scale: float, output: torch.Tensor,
                             selected: torch.Tensor, num_selected: torch.Tensor, quant: KVQuant | None = None,
-                            sink: int | None = None, recent: int | None = None) -> None:
+                            sink: int | None = None, recent: int | None = None,
+                            context_ends: list[int] | None = None) -> None:
     """`sparse_decode.sparse_decode_attention`: each single-token request's retrieval query heads attend to their
     KV head's `key_positions`, written into `output` `[num_tokens, num_heads, head_dim]`; nothing else is."""
     sink = heads.sink if sink is None else sink
@@ -37,7 +40,8 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         keys, values = read_retrieval(cache, block_table[i].long(), seq_len, heads.num_retrieval, heads.stride, quant)
         q_pos = torch.tensor([seq_len - 1], device=query.device)
         for r in range(heads.num_retrieval):
-            pos = key_positions(seq_len, selected[i, r, :int(num_selected[i, r])], sink, recent)
+            pos = key_positions(seq_len, selected[i, r, :int(num_selected[i, r])], sink, recent,
+                                None if context_ends is None else context_ends[i])
             q_heads = heads.retrieval_q[r * G:(r + 1) * G]
             out = attend(query[t:t + 1, q_heads], keys[pos, r:r + 1], values[pos, r:r + 1], q_pos, pos, scale, G)
             output[t, q_heads] = out[0].to(output.dtype)

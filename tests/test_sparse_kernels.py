@@ -67,18 +67,20 @@ def full_selection(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_sparse(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor, splits: int = 3,
-               table: torch.Tensor | None = None) -> torch.Tensor:
+               table: torch.Tensor | None = None, context_ends: list[int] | None = None) -> torch.Tensor:
     out = case.poisoned_output()
+    ends = None if context_ends is None else torch.tensor(context_ends, dtype=torch.int32, device=case.device)
     sparse_decode_attention(case.query, cache, case.heads, case.qsl, case.sl,
                             case.block_table if table is None else table, case.scale, out, selected, counts, splits,
-                            quant=case.quant)
+                            quant=case.quant, context_ends=ends)
     return out
 
 
-def sparse_reference(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def sparse_reference(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor,
+                     context_ends: list[int] | None = None) -> torch.Tensor:
     out = case.poisoned_output()
     ref.sparse_decode_attention(case.query, cache, case.heads, case.query_start_loc, case.seq_lens, case.block_table,
-                                case.scale, out, selected, counts, case.quant)
+                                case.scale, out, selected, counts, case.quant, context_ends=context_ends)
     return out
 
 
@@ -110,6 +112,20 @@ def test_full_selection_equals_duo_decode(name):
     out = run_sparse(case, cache, *full_selection(case))
     assert_retrieval_rows(out, full, case)
     assert_retrieval_rows(out, case.reference()[0], case)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_context_ends_widen_the_window(splits):
+    """A request's window starts at its context's end at the latest: the tokens after a squeezed context are read
+    however many there are, and selected positions from there on count once (as window)."""
+    case = make_case(PRESETS["decode_gqa3"])
+    cache, _ = written_caches(case)
+    selected, counts = random_selection(case)
+    ends = [max(0, seq_len - 40 + 7 * i) for i, seq_len in enumerate(case.seq_lens)]  # some before the window
+    out = run_sparse(case, cache, selected, counts, splits, context_ends=ends)
+    assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts, ends), case)
+    rows, q = decode_rows(case), case.heads.retrieval_q
+    assert not torch.allclose(out[rows][:, q], run_sparse(case, cache, selected, counts, splits)[rows][:, q])
 
 
 def test_empty_selection_attends_sinks_and_window():

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The clustered contexts of Squeezed Attention (vllm_duo/squeeze.py) on test_kernels.py's small cases, on the CPU
 interpreter: what a build stores, the lookup against the references, and end to end that a budget of every clustered
-key gives duo's own decode."""
+key gives duo's own decode, also past the window."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from test_kernels import PRESETS, Preset, make_case, written_caches
 from test_sparse_kernels import assert_retrieval_rows, run_sparse
 
 from vllm_duo.kernels.decode import decode_attention
+from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 from vllm_duo.squeeze import ClusteredContexts, SqueezeSettings, select_reference
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
@@ -82,6 +83,28 @@ def test_budget_of_every_key_equals_duo_decode():
     assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
 
 
+def test_tokens_generated_past_the_window_are_read():
+    """A context clustered 40 tokens before the current one (more than the 16-token window): with every clustered
+    key selected and the window starting at the prompt's end, the sparse decode is still duo's decode."""
+    case = make_case(Preset(8, 4, (0, 3), ((300, 1), (120, 1)), sink=4, recent=16))
+    cache, stream = written_caches(case)
+    contexts = ClusteredContexts([2], 64, 4, settings_for(case, budget=1.0))
+    for i, seq_len in enumerate(case.seq_lens):
+        contexts.build(0, i, cache, case.heads, case.block_table[i], seq_len - 41)
+    slots = [0, 1]
+    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, torch.tensor(slots, dtype=torch.int32),
+                                       contexts.budget_keys(slots), case.scale, contexts.settings.max_context_len)
+    full = case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
+                     stream_cache=stream)
+    out = case.poisoned_output()
+    sparse_decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+                            selected, counts, 3, context_ends=contexts.context_ends(slots))
+    assert_retrieval_rows(out, full, case)
+    assert not torch.allclose(run_sparse(case, cache, selected, counts)[:, case.heads.retrieval_q],
+                              full[:, case.heads.retrieval_q])  # without the context ends those tokens are lost
+
+
 def test_a_small_budget_reads_fewer_keys_and_stays_close():
     """A long context at budget 1/4: each retrieval head reads about a quarter of the clustered keys, and its
     output stays nearer duo's than attending the sinks and window alone (the clusters carry the mass)."""
@@ -118,6 +141,6 @@ def test_settings_memory_and_window():
     with pytest.raises(ValueError, match="squeezed context holds"):
         contexts.build(0, 0, cache, case.heads, case.block_table[1], 4)  # nothing past the sinks
     contexts.build(0, 0, cache, case.heads, case.block_table[0], 36)
-    assert contexts.fits_window(0, 36 + 16, recent=16) and not contexts.fits_window(0, 36 + 17, recent=16)
+    assert contexts.context_ends([0, 0]).tolist() == [36, 36]
     contexts.free(0)
     assert contexts.clustered[0] == 0

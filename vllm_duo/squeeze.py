@@ -15,8 +15,8 @@ attends exactly over those keys plus the sinks and the recent window (kernels/sp
     decode at seq_len 4,100, each retrieval KV head:
         sinks [0, 64)  +  best clusters' positions until >= 0.25 x 4,032 = 1,008 keys  +  window [3,844, 4,100)
 
-Tokens generated after the prompt are not clustered: a request decodes squeezed while they fit its window
-(`fits_window`); past it the caller falls back to duo's full retrieval decode.
+Tokens generated after the prompt are not clustered: they are read whole, the sparse decode's window starting at
+the prompt's end at the latest (`context_ends`).
 
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
 centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
@@ -119,9 +119,10 @@ class ClusteredContexts:
     def free(self, slot: int) -> None:
         self.clustered[slot] = self.prompt_len[slot] = 0
 
-    def fits_window(self, slot: int, seq_len: int, recent: int) -> bool:
-        """Whether a request of this context at `seq_len` still sees every generated token in its window."""
-        return seq_len - recent <= self.prompt_len[slot]
+    def context_ends(self, slots: list[int]) -> torch.Tensor:
+        """`[num_reqs]` int32: where each request's clustered positions end (its prompt's end), for
+        `sparse_decode_attention`'s `context_ends`."""
+        return torch.tensor([self.prompt_len[s] for s in slots], dtype=torch.int32, device=self.device)
 
     def budget_keys(self, slots: list[int]) -> torch.Tensor:
         """`[num_reqs]` int32: keys each retrieval head of a request reads beyond the sinks and window."""
