@@ -21,8 +21,8 @@ the prompt's end at the latest (`context_ends`).
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
 centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
 as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes R x C and offsets R x (C + 1) int32,
-positions R x T int32; all of it preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable) and a build allocates nothing but
-the clustering's scratch. `ClusteredContexts.bytes_needed` is that sum.
+positions R x T int32; all of it preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable)
+and a build allocates nothing but the clustering's scratch. `ClusteredContexts.bytes_needed` is that sum.
 """
 
 from __future__ import annotations
