@@ -10,7 +10,8 @@ from test_sparse_kernels import assert_retrieval_rows, run_sparse
 
 from vllm_duo.kernels.decode import decode_attention
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
-from vllm_duo.squeeze import ClusteredContexts, SqueezeSettings, select_reference
+from vllm_duo.kernels import sparse_reference as ref
+from vllm_duo.squeeze import ClusteredContexts, SqueezeSettings
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
 TWO_LAYERS = [2, 1]
@@ -27,6 +28,15 @@ def built(case, cache, settings: SqueezeSettings, layer: int = 0) -> ClusteredCo
     for i, seq_len in enumerate(case.seq_lens):
         contexts.build(layer, i, cache, case.heads, case.block_table[i], seq_len - 1)
     return contexts
+
+
+def select_reference(contexts: ClusteredContexts, layer: int, case, slots: list[int], budget: list[int],
+                     max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ClusteredContexts.select` by the kernels' PyTorch references, request by request."""
+    scores = ref.centroid_scores(case.query, contexts.centroids[layer], contexts.sizes[layer], case.heads,
+                                 case.query_start_loc, case.scale, slots)
+    budgets = torch.tensor(budget, dtype=torch.int32)[:, None].expand(-1, case.heads.num_retrieval)
+    return ref.select_banded(scores, contexts.offsets[layer], contexts.positions[layer], budgets, max_selected, slots)
 
 
 def settings_for(case, **kw) -> SqueezeSettings:
@@ -58,8 +68,7 @@ def test_select_matches_the_references(budget):
     width = contexts.settings.max_context_len
     ids = torch.tensor(slots, dtype=torch.int32)
     selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale, width)
-    expected = select_reference(contexts, 0, case.query, case.heads, case.query_start_loc, slots, keys.tolist(),
-                                case.scale, width)
+    expected = select_reference(contexts, 0, case, slots, keys.tolist(), width)
     assert torch.equal(counts, expected[1])
     for i in range(len(slots)):
         for r in range(case.heads.num_retrieval):

@@ -28,34 +28,27 @@ and a build allocates nothing but the clustering's scratch. `ClusteredContexts.b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, to_csr
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, read_retrieval
 from vllm_duo.kernels.selection import centroid_scores, select_banded
 
 
-@dataclass(frozen=True)
-class SqueezeSettings:
+class SqueezeSettings(BaseModel):
     """budget: share of a context's clustered keys each retrieval head reads at decode (0 < budget <= 1);
     keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most; max_contexts: slots kept at once;
     max_context_len: the longest prompt a slot holds (longer ones are served by duo unsqueezed)."""
 
-    budget: float = 0.25
-    keys_per_cluster: int = 16
-    iters: int = 10
-    max_contexts: int = 4
-    max_context_len: int = 131072
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self):
-        if not 0 < self.budget <= 1:
-            raise ValueError(f"squeeze budget {self.budget} must be in (0, 1]")
-        for name in ("keys_per_cluster", "iters", "max_contexts", "max_context_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"squeeze {name} must be at least 1, got {getattr(self, name)}")
+    budget: float = Field(default=0.25, gt=0.0, le=1.0)
+    keys_per_cluster: int = Field(default=16, ge=1)
+    iters: int = Field(default=10, ge=1)
+    max_contexts: int = Field(default=4, ge=1)
+    max_context_len: int = Field(default=131072, ge=1)
 
     def num_clusters(self, num_keys: int) -> int:
         return max(1, math.ceil(num_keys / self.keys_per_cluster))
@@ -141,15 +134,3 @@ class ClusteredContexts:
                                  context_ids)
         return select_banded(scores, self.offsets[layer], self.positions[layer], budget[:, None].expand(-1, R),
                              max_selected, context_ids)
-
-
-def select_reference(contexts: ClusteredContexts, layer: int, query: torch.Tensor, heads: LayerHeads,
-                     query_start_loc: list[int], context_ids: list[int], budget: list[int], scale: float,
-                     max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ClusteredContexts.select` by the kernels' PyTorch references, request by request."""
-    scores = sparse_reference.centroid_scores(query, contexts.centroids[layer], contexts.sizes[layer], heads,
-                                              query_start_loc, scale, context_ids)
-    R = heads.num_retrieval
-    budgets = torch.tensor(budget, dtype=torch.int32, device=query.device)[:, None].expand(-1, R)
-    return sparse_reference.select_banded(scores, contexts.offsets[layer], contexts.positions[layer], budgets,
-                                          max_selected, context_ids)
