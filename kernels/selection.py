@@ -33,6 +33,14 @@ def _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, s
 
 
 @triton.jit
+def _context_of(context_ids_ptr, req, CONTEXTS: tl.constexpr):
+    """The context (slot) request `req` reads: `context_ids[req]`, or `req` itself without context ids."""
+    if CONTEXTS:
+        return tl.load(context_ids_ptr + req).to(tl.int64)
+    return req.to(tl.int64)
+
+
+@triton.jit
 def _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
                      BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Base-2 logits `[BLOCK_G, BLOCK_C]` of clusters [start, start + BLOCK_C) (-inf for empty or absent ones) and
@@ -64,10 +72,7 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr
     tile = tl.program_id(2)
     q = _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, stride_qt, stride_qh, G, BLOCK_G,
                       HEAD_DIM, BLOCK_D)
-    if CONTEXTS:
-        context = tl.load(context_ids_ptr + req).to(tl.int64)
-    else:
-        context = req.to(tl.int64)
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
     centroid_row = centroids_ptr + context * stride_cx + head * stride_ch
     size_row = sizes_ptr + context * stride_nx + head * stride_nh
     offs_g = tl.arange(0, BLOCK_G)
@@ -324,7 +329,7 @@ def _band_sizes_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, num_c
     """Grid (num_reqs, R, tiles): each tile's keys per score band, in a histogram of its own (integer atomics: the
     sums do not depend on order)."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
     hist_row = hist_ptr + req * stride_hr + head * stride_hh + tile * stride_ht
     for chunk in range(TILE_CHUNKS):
         _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
@@ -369,7 +374,7 @@ def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr,
     before it: GATHER_C clusters at a time, each kept cluster's CSR slots copied COPY_W at a time to its place
     (its first slot: the keys kept before it). Reads only the kept clusters' slots."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    context = tl.load(context_ids_ptr + req).to(tl.int64) if CONTEXTS else req.to(tl.int64)
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
     cut = tl.load(cut_ptr + req * stride_br + head * stride_bh)
     offs_t = tl.arange(0, BLOCK_T)
     before = tl.load(tile_keys_ptr + req * stride_tr + head * stride_th + offs_t, mask=offs_t < tile, other=0)
@@ -419,21 +424,21 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
     budget = budget.to(torch.int32).expand(num_reqs, R).contiguous()
     cut = torch.empty(num_reqs, R, dtype=torch.int32, device=device)
     tile_keys = torch.empty(num_reqs, R, tiles, dtype=torch.int32, device=device)
-    contexts = dict(context_ids_ptr=scores if context_ids is None else context_ids, CONTEXTS=context_ids is not None)
+    contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
     offsets = cluster_offsets.to(torch.int32)
     common = (*scores.stride()[:2], *offsets.stride()[:2])
     _band_sizes_kernel[(num_reqs, R, tiles)](
-        scores, offsets, contexts["context_ids_ptr"], hist, C, *common, *hist.stride()[:3],
-        BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=contexts["CONTEXTS"])
+        scores, offsets, contexts, hist, C, *common, *hist.stride()[:3],
+        BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=context_ids is not None)
     _band_cut_kernel[(num_reqs, R)](
         hist, budget, cut, tile_keys, counts, tiles, max_selected, *hist.stride()[:3], *budget.stride(),
         *tile_keys.stride()[:2], BANDS=SCORE_BANDS)
     _band_gather_kernel[(num_reqs, R, tiles)](
-        scores, offsets, cluster_positions, contexts["context_ids_ptr"], cut, tile_keys, selected, C, tiles,
-        max_selected, *common, *cluster_positions.stride()[:2], *budget.stride(), *tile_keys.stride()[:2],
+        scores, offsets, cluster_positions, contexts, cut, tile_keys, selected, C, tiles,
+        max_selected, *common, *cluster_positions.stride()[:2], *cut.stride(), *tile_keys.stride()[:2],
         *selected.stride()[:2],
         TILE=chunks * block_c, BLOCK_T=triton.next_power_of_2(tiles), GATHER_C=min(block_c, 128), COPY_W=16,
-        CONTEXTS=contexts["CONTEXTS"])
+        CONTEXTS=context_ids is not None)
     return selected, counts
 
 
