@@ -29,9 +29,11 @@ from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 
 @triton.jit
-def _key_list(seq_len, num_selected, sink, recent, context_end):
-    """(sinks, first window position, list length) of one request's key list: the sinks [0, min(sink, seq_len)),
-    the selected positions, the window [max(sink, min(seq_len - recent, context_end)), seq_len)."""
+def _key_list(seq_len, num_selected, sink, recent, context_ends_ptr, req, CONTEXT_ENDS: tl.constexpr):
+    """(sinks, first window position, list length) of request `req`'s key list: the sinks [0, min(sink, seq_len)),
+    the selected positions, the window [max(sink, min(seq_len - recent, context_end)), seq_len), where
+    context_end is `context_ends[req]` (or seq_len without context ends)."""
+    context_end = tl.load(context_ends_ptr + req) if CONTEXT_ENDS else seq_len
     num_sink = tl.minimum(sink, seq_len)
     window = tl.maximum(sink, tl.minimum(seq_len - recent, context_end))
     return num_sink, window, num_sink + num_selected + tl.maximum(seq_len - window, 0)
@@ -65,8 +67,7 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
         return
     seq_len = tl.load(seq_lens_ptr + req)
     num_selected = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
-    context_end = tl.load(context_ends_ptr + req) if CONTEXT_ENDS else seq_len
-    num_sink, window, length = _key_list(seq_len, num_selected, sink, recent, context_end)
+    num_sink, window, length = _key_list(seq_len, num_selected, sink, recent, context_ends_ptr, req, CONTEXT_ENDS)
     split_len = keys_per_split(length, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
     lo = split * split_len
     hi = tl.minimum(length, lo + split_len)
@@ -115,9 +116,8 @@ def _sparse_merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, 
         return
     head = h // G
     num_selected = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_end = tl.load(context_ends_ptr + req) if CONTEXT_ENDS else seq_len
-    _, _, length = _key_list(seq_len, num_selected, sink, recent, context_end)
+    _, _, length = _key_list(tl.load(seq_lens_ptr + req), num_selected, sink, recent, context_ends_ptr, req,
+                             CONTEXT_ENDS)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = (offs_s * keys_per_split(length, MAX_SPLITS, BLOCK_N, MIN_SPLIT) < length) & (offs_s < MAX_SPLITS)
     out = merge_parts(part_out_ptr, part_lse_ptr, (req * num_retrieval * G + h) * MAX_SPLITS + offs_s, s_ok,
