@@ -76,6 +76,14 @@ def run_sparse(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: 
     return out
 
 
+def duo_decode(case: Case, cache: torch.Tensor, stream: torch.Tensor | None, splits: int = 2) -> torch.Tensor:
+    """Duo's own decode of the step (the split decode kernel over the written caches): what a full selection equals."""
+    full = case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, splits,
+                     stream_cache=stream)
+    return full
+
+
 def sparse_reference(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor,
                      context_ends: list[int] | None = None) -> torch.Tensor:
     out = case.poisoned_output()
@@ -106,9 +114,7 @@ def test_full_selection_equals_duo_decode(name):
     the retrieval heads (the split decode kernel, and the reference)."""
     case = make_case(PRESETS[name])
     cache, stream = written_caches(case)
-    full = case.poisoned_output()
-    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
-                     stream_cache=stream)
+    full = duo_decode(case, cache, stream)
     out = run_sparse(case, cache, *full_selection(case))
     assert_retrieval_rows(out, full, case)
     assert_retrieval_rows(out, case.reference()[0], case)
@@ -325,9 +331,7 @@ def test_clusters_selecting_everything_equal_duo_decode():
     centroids = torch.randn(len(case.seq_lens), R, C, case.preset.head_dim)
     scores = centroid_scores(case.query, centroids, offsets.diff(dim=-1), case.heads, case.qsl, case.scale)
     selected, counts = select_positions(scores, offsets, positions, max(case.seq_lens), max(case.seq_lens))
-    full = case.poisoned_output()
-    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 1,
-                     stream_cache=stream)
+    full = duo_decode(case, cache, stream, 1)
     assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
 
 
@@ -339,9 +343,7 @@ def test_pages_selecting_everything_equal_duo_decode():
                          case.preset.block_size)
     selected, counts = select_pages(scores, case.sl, case.preset.block_size, case.preset.sink, case.preset.recent,
                                     scores.shape[-1])
-    full = case.poisoned_output()
-    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 1,
-                     stream_cache=stream)
+    full = duo_decode(case, cache, stream, 1)
     assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
 
 

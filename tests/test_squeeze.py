@@ -6,10 +6,8 @@ key gives duo's own decode, also past the window."""
 import pytest
 import torch
 from test_kernels import PRESETS, Preset, make_case, written_caches
-from test_sparse_kernels import assert_retrieval_rows, run_sparse
+from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse
 
-from vllm_duo.kernels.decode import decode_attention
-from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.squeeze import ClusteredContexts, SqueezeSettings
 
@@ -86,9 +84,7 @@ def test_budget_of_every_key_equals_duo_decode():
     ids = torch.tensor(slots, dtype=torch.int32)
     selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, contexts.budget_keys(slots),
                                        case.scale, contexts.settings.max_context_len)
-    full = case.poisoned_output()
-    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
-                     stream_cache=stream)
+    full = duo_decode(case, cache, stream)
     assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
 
 
@@ -103,12 +99,8 @@ def test_tokens_generated_past_the_window_are_read():
     slots = [0, 1]
     selected, counts = contexts.select(0, case.query, case.heads, case.qsl, torch.tensor(slots, dtype=torch.int32),
                                        contexts.budget_keys(slots), case.scale, contexts.settings.max_context_len)
-    full = case.poisoned_output()
-    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
-                     stream_cache=stream)
-    out = case.poisoned_output()
-    sparse_decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
-                            selected, counts, 3, context_ends=contexts.context_ends(slots))
+    full = duo_decode(case, cache, stream)
+    out = run_sparse(case, cache, selected, counts, context_ends=contexts.context_ends(slots).tolist())
     assert_retrieval_rows(out, full, case)
     assert not torch.allclose(run_sparse(case, cache, selected, counts)[:, case.heads.retrieval_q],
                               full[:, case.heads.retrieval_q])  # without the context ends those tokens are lost
@@ -126,9 +118,7 @@ def test_a_small_budget_reads_fewer_keys_and_stays_close():
                                        contexts.settings.max_context_len)
     clustered = torch.tensor(contexts.clustered[:2])[:, None]
     assert (counts >= keys[:, None]).all() and (counts < 0.25 * clustered + 64).all()
-    full = case.poisoned_output()
-    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, 2,
-                     stream_cache=stream)
+    full = duo_decode(case, cache, stream)
     squeezed = run_sparse(case, cache, selected, counts)
     window_only = run_sparse(case, cache, selected, torch.zeros_like(counts))
     q = case.heads.retrieval_q
