@@ -49,7 +49,7 @@ def test_a_build_lists_each_clustered_position_once():
     contexts = built(case, cache, settings_for(case))
     for i, seq_len in enumerate(case.seq_lens):
         T = seq_len - 1 - CASE.sink
-        assert contexts.clustered[i] == T and contexts.prompt_len[i] == seq_len - 1
+        assert contexts.clustered(i) == T and contexts.prompt_len[i] == seq_len - 1
         for r in range(case.heads.num_retrieval):
             offsets, sizes = contexts.offsets[0][i, r], contexts.sizes[0][i, r]
             assert offsets[0] == 0 and offsets[-1] == T and torch.equal(offsets[1:] - offsets[:-1], sizes)
@@ -116,7 +116,7 @@ def test_a_small_budget_reads_fewer_keys_and_stays_close():
     keys = contexts.budget_keys([0, 1])
     selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale,
                                        contexts.settings.max_context_len)
-    clustered = torch.tensor(contexts.clustered[:2])[:, None]
+    clustered = torch.tensor([contexts.clustered(0), contexts.clustered(1)])[:, None]
     assert (counts >= keys[:, None]).all() and (counts < 0.25 * clustered + 64).all()
     full = duo_decode(case, cache, stream)
     squeezed = run_sparse(case, cache, selected, counts)
@@ -142,4 +142,4 @@ def test_settings_memory_and_window():
     contexts.build(0, 0, cache, case.heads, case.block_table[0], 36)
     assert contexts.context_ends([0, 0]).tolist() == [36, 36]
     contexts.free(0)
-    assert contexts.clustered[0] == 0
+    assert contexts.clustered(0) == 0

@@ -59,7 +59,7 @@ class ClusteredContexts:
 
     - centroids `[slots, R, C, head_dim]` (`centroid_dtype`), sizes `[slots, R, C]` int32 (0: no such cluster);
     - offsets `[slots, R, C + 1]` int32 and positions `[slots, R, T]` int32: the CSR of positions per cluster;
-    - `clustered[slot]`: how many positions a slot's CSR holds (0: free), `prompt_len[slot]`: where its prompt ends.
+    - `prompt_len[slot]`: where its prompt ends (0: free); `clustered(slot)` positions past the sinks are in its CSR.
 
     C and T are the largest a slot can need (`SqueezeSettings.max_context_len`); a smaller context leaves the
     rest as empty clusters.
@@ -75,7 +75,6 @@ class ClusteredContexts:
         self.sizes = [torch.zeros(slots, R, C, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.offsets = [torch.zeros(slots, R, C + 1, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
-        self.clustered = [0] * slots
         self.prompt_len = [0] * slots
 
     @staticmethod
@@ -107,10 +106,14 @@ class ClusteredContexts:
             self.offsets[layer][slot, :, :C + 1] = offsets
             self.offsets[layer][slot, :, C + 1:] = offsets[:, -1:]
             self.positions[layer][slot, :, :T] = positions
-        self.clustered[slot], self.prompt_len[slot] = T, prompt_len
+        self.prompt_len[slot] = prompt_len
 
     def free(self, slot: int) -> None:
-        self.clustered[slot] = self.prompt_len[slot] = 0
+        self.prompt_len[slot] = 0
+
+    def clustered(self, slot: int) -> int:
+        """How many positions the slot's CSR holds: [sink, prompt_len) of its context, 0 when free."""
+        return max(self.prompt_len[slot] - self.sink, 0)
 
     def context_ends(self, slots: list[int]) -> torch.Tensor:
         """`[num_reqs]` int32: where each request's clustered positions end (its prompt's end), for
@@ -119,7 +122,7 @@ class ClusteredContexts:
 
     def budget_keys(self, slots: list[int]) -> torch.Tensor:
         """`[num_reqs]` int32: keys each retrieval head of a request reads beyond the sinks and window."""
-        keys = [math.ceil(self.settings.budget * self.clustered[s]) for s in slots]
+        keys = [math.ceil(self.settings.budget * self.clustered(s)) for s in slots]
         return torch.tensor(keys, dtype=torch.int32, device=self.device)
 
     def select(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
