@@ -698,6 +698,30 @@ def kernel_profile(graph: torch.cuda.CUDAGraph, eager, steps: int = 10, top: int
     return result if len(result["kernels"]) > 2 else run("eager steps")
 
 
+def timed_graph(res: dict, rows: list, case: str, label: str, fn, nbytes: float = float("nan"), keep: bool = False):
+    """ms per step of `fn` as one CUDA graph replay into `res["variants_ms"]` and a row (a failure noted in
+    `res["errors"]`, the other variants still timed); the graph if `keep`."""
+    graph = None
+    try:
+        graph = capture(fn)
+        t = replay_ms(graph)
+    except Exception:  # noqa: BLE001 - note the failure, time the other variants
+        res["errors"][label] = traceback.format_exc()
+        print(f"{case} {label} failed:\n{res['errors'][label]}", file=sys.stderr)
+        t = float("nan")
+    res["variants_ms"][label] = t
+    rows.append((case, label, t, nbytes / t / 1e6))
+    return graph if keep else None
+
+
+def print_kernels(title: str, profile: dict) -> None:
+    """`kernel_profile`'s result, a kernel a line."""
+    print(f"\n{title} ({profile['source']}): {profile['device_us_per_step']:.0f} us, "
+          f"{profile['launches_per_step']:.0f} launches per step")
+    for k in profile["kernels"]:
+        print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:5.0f} x  {k['name']}")
+
+
 def layouts_per_count(seq_lens: list[int], counts: list[int], cache_dtype: torch.dtype, columns: int):
     """One DuoLayout per retrieval-head count (layers with the same count share its cache) and its retrieval
     pages' block table, `columns` wide as vLLM's (max_model_len)."""
@@ -784,19 +808,7 @@ def bench_long_decode(fa, rows, out_json):
                             part()
             return step
 
-        def timed(label, fn, nbytes=float("nan"), keep=False):
-            """ms per step of `fn` as one CUDA graph replay; a row; the graph if `keep`."""
-            graph = None
-            try:
-                graph = capture(fn)
-                t = replay_ms(graph)
-            except Exception:  # noqa: BLE001 - note the failure, time the other variants
-                res["errors"][label] = traceback.format_exc()
-                print(f"{case} {label} failed:\n{res['errors'][label]}", file=sys.stderr)
-                t = float("nan")
-            res["variants_ms"][label] = t
-            rows.append((case, label, t, nbytes / t / 1e6))
-            return graph if keep else None
+        timed = functools.partial(timed_graph, res, rows, case)
 
         # dense, as vLLM 0.26's FLASH_ATTN runs it in a full CUDA graph: cache write, q quantized (fp8), FA3 with
         # the step's schedule made outside the graph and 32 splits
@@ -876,10 +888,7 @@ def bench_long_decode(fa, rows, out_json):
         for name, graph, eager_step in (("dense", dense_graph, dense_step), ("duo", duo_graph, duo_step)):
             if graph is not None:
                 res["profiles"][name] = profile = kernel_profile(graph, eager_step)
-                print(f"\n{case} {name} step kernels ({profile['source']}): {profile['device_us_per_step']:.0f} us, "
-                      f"{profile['launches_per_step']:.0f} launches per step")
-                for k in profile["kernels"]:
-                    print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:5.0f} x  {k['name']}")
+                print_kernels(f"{case} {name} step kernels", profile)
         results.append(res)
         del dense_graph, duo_graph, layouts, retrieval_tables, retrieval_only, dense_k, dense_v, k_store, v_store
         torch.cuda.empty_cache()
@@ -970,15 +979,7 @@ def bench_squeeze_decode(fa, rows, out_json):
                         retrieval()
             return run
 
-        def timed(label, fn):
-            try:
-                t = replay_ms(capture(fn))
-            except Exception:  # noqa: BLE001 - note the failure, time the other variants
-                res["errors"][label] = traceback.format_exc()
-                print(f"{case} {label} failed:\n{res['errors'][label]}", file=sys.stderr)
-                t = float("nan")
-            res["variants_ms"][label] = t
-            rows.append((case, label, t, float("nan")))
+        timed = functools.partial(timed_graph, res, rows, case)
 
         timed("duo", step())
         timed("centroid scores only", step(16, write=False, attend=False, select=False))
@@ -995,9 +996,7 @@ def bench_squeeze_decode(fa, rows, out_json):
             timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
         lookup = step(16, write=False, attend=False)
         res["lookup_kernels"] = profile = kernel_profile(capture(lookup), lookup)
-        print(f"\n{case} lookup at 1/16, kernels ({profile['source']}): {profile['device_us_per_step']:.0f} us per step")
-        for k in profile["kernels"]:
-            print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:5.0f} x  {k['name']}")
+        print_kernels(f"{case} lookup at 1/16, kernels", profile)
         results.append(res)
         del layouts, retrieval_tables, stores
         torch.cuda.empty_cache()
