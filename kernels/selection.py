@@ -34,7 +34,8 @@ def _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, s
 
 @triton.jit
 def _context_of(context_ids_ptr, req, CONTEXTS: tl.constexpr):
-    """The context (slot) request `req` reads: `context_ids[req]`, or `req` itself without context ids."""
+    """The context (slot) request `req` reads: `context_ids[req]` (negative: none), or `req` itself without context
+    ids."""
     if CONTEXTS:
         return tl.load(context_ids_ptr + req).to(tl.int64)
     return req.to(tl.int64)
@@ -70,9 +71,11 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
+    if context < 0:
+        return
     q = _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, stride_qt, stride_qh, G, BLOCK_G,
                       HEAD_DIM, BLOCK_D)
-    context = _context_of(context_ids_ptr, req, CONTEXTS)
     centroid_row = centroids_ptr + context * stride_cx + head * stride_ch
     size_row = sizes_ptr + context * stride_nx + head * stride_nh
     offs_g = tl.arange(0, BLOCK_G)
@@ -95,16 +98,18 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
-def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, num_clusters, num_tiles,
+def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, context_ids_ptr, num_clusters, num_tiles,
                             stride_lr: tl.int64, stride_lh: tl.int64, stride_lg: tl.int64, stride_pr: tl.int64,
                             stride_ph: tl.int64, stride_pt: tl.int64, stride_or: tl.int64, stride_oh: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
-                            BLOCK_T: tl.constexpr):
+                            BLOCK_T: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): each query head's denominator from all tiles' partials, then the tile's scores
-    exp2(s_j - max) / denominator, max over the group."""
+    exp2(s_j - max) / denominator, max over the group (left 0 for a request without context)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
+    if _context_of(context_ids_ptr, req, CONTEXTS) < 0:
+        return
     offs_t = tl.arange(0, BLOCK_T)
     offs_g = tl.arange(0, BLOCK_G)
     part = req * stride_pr + head * stride_ph + offs_t[:, None] * stride_pt + offs_g[None, :]
@@ -177,7 +182,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         query_start_loc: `[num_reqs + 1]` int32.
         scale: the softmax scale.
         context_ids: `[num_reqs]` int32, the context of each request (requests over one shared document read
-            one copy); None: request i's context is row i.
+            one copy; negative: none, its scores stay 0); None: request i's context is row i.
 
     Returns:
         `[num_reqs, R, C]` float32 scores (a request without query tokens gets some other token's).
@@ -203,9 +208,9 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None, num_warps=4)
     _centroid_scores_kernel[(num_reqs, R, tiles)](
-        logits, part_m, part_l, scores, C, tiles, *logits.stride()[:3], *part_m.stride()[:3], *scores.stride()[:2],
+        logits, part_m, part_l, scores, scores if context_ids is None else context_ids, C, tiles, *logits.stride()[:3], *part_m.stride()[:3], *scores.stride()[:2],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles),
-        num_warps=4)
+        CONTEXTS=context_ids is not None, num_warps=4)
     return scores
 
 
@@ -330,6 +335,8 @@ def _band_sizes_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, num_c
     sums do not depend on order)."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
+    if context < 0:
+        return
     hist_row = hist_ptr + req * stride_hr + head * stride_hh + tile * stride_ht
     for chunk in range(TILE_CHUNKS):
         _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
@@ -375,6 +382,8 @@ def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr,
     (its first slot: the keys kept before it). Reads only the kept clusters' slots."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
+    if context < 0:
+        return
     cut = tl.load(cut_ptr + req * stride_br + head * stride_bh)
     offs_t = tl.arange(0, BLOCK_T)
     before = tl.load(tile_keys_ptr + req * stride_tr + head * stride_th + offs_t, mask=offs_t < tile, other=0)
@@ -409,8 +418,9 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         bands of clusters 0, 1, 2: 7, 9, 8 (higher is better), sizes 3, 5, 2, budget 6: from band 9 down, 5 keys
         (band 9), 7 keys (band 8 too): cut 8, clusters 1 and 2, count 7
 
-    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers); no threshold. Sorts nothing: one
-    pass over the scores, one over the tiles' band histograms, one over the kept clusters' positions.
+    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers; a negative context id selects
+    nothing); no threshold. Sorts nothing: one pass over the scores, one over the tiles' band histograms, one over
+    the kept clusters' positions.
     """
     num_reqs, R, C = scores.shape
     device = scores.device

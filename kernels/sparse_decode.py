@@ -39,6 +39,14 @@ def _key_list(seq_len, num_selected, sink, recent, context_ends_ptr, req, CONTEX
     return num_sink, window, num_sink + num_selected + tl.maximum(seq_len - window, 0)
 
 
+@triton.jit
+def _unclustered(context_ends_ptr, req, CONTEXT_ENDS: tl.constexpr):
+    """Whether request `req` has a context end of 0: no clustered context, left to duo's decode."""
+    if CONTEXT_ENDS:
+        return tl.load(context_ends_ptr + req) == 0
+    return False
+
+
 @triton.jit(do_not_specialize=["num_retrieval", "stride", "sink", "recent", "max_selected"])
 def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr,
                           query_start_loc_ptr, seq_lens_ptr, block_table_ptr, selected_ptr, num_selected_ptr,
@@ -54,7 +62,7 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
                           CONTEXT_ENDS: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS): split `pid % MAX_SPLITS` of retrieval head `pid // MAX_SPLITS`'s key list.
 
-    Requests whose query length is not 1 exit at once, and so do splits past the list. A selected position in
+    Requests whose query length is not 1 or whose context end is 0 exit at once, and so do splits past the list. A selected position in
     the sinks or the window, or past the context, is skipped (those keys are read once, as sinks or window).
     With MAX_SPLITS > 1 the results go to part_out/part_lse for the merge. An FP8 cache holds K/V divided by
     the layer's scales: the scores take the k scale, each output the v scale.
@@ -63,7 +71,7 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
     head = tl.program_id(1) // MAX_SPLITS
     split = tl.program_id(1) % MAX_SPLITS
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1 or _unclustered(context_ends_ptr, req, CONTEXT_ENDS):
         return
     seq_len = tl.load(seq_lens_ptr + req)
     num_selected = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
@@ -112,7 +120,7 @@ def _sparse_merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, 
     req = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1 or _unclustered(context_ends_ptr, req, CONTEXT_ENDS):
         return
     head = h // G
     num_selected = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
@@ -159,7 +167,8 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         min_split: the shortest split in keys, a multiple of the key tile (default as `decode_attention`).
         context_ends: `[num_reqs]` int32, where each request's selectable positions end (a squeezed context's prompt
             length): its window starts there at the latest, so tokens generated after the clustered context are
-            always read, however many. None: the window is the last `recent` positions.
+            always read, however many; 0: the request has none and is left untouched (duo's decode serves it).
+            None: the window is the last `recent` positions.
     """
     sink = heads.sink if sink is None else sink
     recent = heads.recent if recent is None else recent

@@ -29,13 +29,14 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
                             sink: int | None = None, recent: int | None = None,
                             context_ends: list[int] | None = None) -> None:
     """`sparse_decode.sparse_decode_attention`: each single-token request's retrieval query heads attend to their
-    KV head's `key_positions`, written into `output` `[num_tokens, num_heads, head_dim]`; nothing else is."""
+    KV head's `key_positions`, written into `output` `[num_tokens, num_heads, head_dim]`; nothing else is (nor a
+    request whose context end is 0)."""
     sink = heads.sink if sink is None else sink
     recent = heads.recent if recent is None else recent
     G = heads.group_size
     for i, seq_len in enumerate(seq_lens):
         t = query_start_loc[i]
-        if query_start_loc[i + 1] - t != 1:
+        if query_start_loc[i + 1] - t != 1 or (context_ends is not None and context_ends[i] == 0):
             continue
         keys, values = read_retrieval(cache, block_table[i].long(), seq_len, heads.num_retrieval, heads.stride, quant)
         q_pos = torch.tensor([seq_len - 1], device=query.device)
@@ -56,11 +57,13 @@ def last_queries(query: torch.Tensor, heads: LayerHeads, query_start_loc: list[i
 def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
                     query_start_loc: list[int], scale: float, context_ids: list[int] | None = None) -> torch.Tensor:
     """`selection.centroid_scores`: S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale) per query head
-    (0 for empty clusters), max over each KV head's group -> `[num_reqs, R, C]` float32."""
+    (0 for empty clusters), max over each KV head's group -> `[num_reqs, R, C]` float32 (0 without a context)."""
     num_reqs = len(query_start_loc) - 1
     scores = torch.zeros(num_reqs, heads.num_retrieval, centroids.shape[2], device=query.device)
     for i in range(num_reqs):
         context = i if context_ids is None else context_ids[i]
+        if context < 0:
+            continue
         logits = torch.einsum("rgd,rcd->rgc", last_queries(query, heads, query_start_loc, i),
                               centroids[context].float()) * scale
         size = sizes[context].float()[:, None, :]  # [R, 1, C]
@@ -131,14 +134,14 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
                   context_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`selection.select_banded`, row by row: the keys per score band (float32 bits >> 20), the highest band from
     which the keys of it and every band above reach the budget (band 0 if none), then every cluster of a band at or
-    above it, in cluster order; cut at max_selected."""
+    above it, in cluster order; cut at max_selected; nothing for a request without a context."""
     num_reqs, R, C = scores.shape
     selected = torch.zeros(num_reqs, R, max_selected, dtype=torch.int32, device=scores.device)
     counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=scores.device)
     bands = (scores.float().view(torch.int32) >> 20).long()
     for i in range(num_reqs):
         context = i if context_ids is None else context_ids[i]
-        for r in range(R):
+        for r in range(R if context >= 0 else 0):
             offsets = cluster_offsets[context, r].tolist()
             sizes = torch.tensor([offsets[c + 1] - offsets[c] for c in range(C)])
             keys_in = torch.zeros(2048, dtype=torch.long).index_add_(0, bands[i, r].cpu(), sizes)  # every band

@@ -127,11 +127,24 @@ def test_context_ends_widen_the_window(splits):
     case = make_case(PRESETS["decode_gqa3"])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
-    ends = [max(0, seq_len - 40 + 7 * i) for i, seq_len in enumerate(case.seq_lens)]  # some before the window
+    ends = [max(1, seq_len - 40 + 7 * i) for i, seq_len in enumerate(case.seq_lens)]  # some before the window
     out = run_sparse(case, cache, selected, counts, splits, context_ends=ends)
     assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts, ends), case)
     rows, q = decode_rows(case), case.heads.retrieval_q
     assert not torch.allclose(out[rows][:, q], run_sparse(case, cache, selected, counts, splits)[rows][:, q])
+
+
+def test_context_end_0_leaves_the_request_to_duo():
+    """A request without a clustered context (context end 0) is not written: duo's own decode serves it."""
+    case = make_case(PRESETS["decode_gqa3"])
+    cache, _ = written_caches(case)
+    selected, counts = random_selection(case)
+    starts, rows = case.query_start_loc, decode_rows(case)
+    first = starts.index(int(rows[0]))  # the first single-token request
+    ends = [0 if i == first else seq_len for i, seq_len in enumerate(case.seq_lens)]
+    out = run_sparse(case, cache, selected, counts, 2, context_ends=ends)
+    assert_only(out, sparse_reference(case, cache, selected, counts, ends), rows[1:], case.heads.retrieval_q,
+                torch.float32, "wrote a request without a clustered context")
 
 
 def test_empty_selection_attends_sinks_and_window():
@@ -207,7 +220,7 @@ def scoring_batch(num_kv_heads: int, group: int, retrieval: list[int], query_len
 
 @pytest.mark.parametrize("group, query_lens, clusters, shared, dtype", [
     (1, [1], 5, False, torch.float32),
-    (3, [1, 4, 0, 1], 37, True, torch.float32),  # a request without tokens; four requests over two contexts
+    (3, [1, 4, 0, 1], 37, True, torch.float32),  # a request without tokens; requests over two contexts and none
     (4, [1, 1], 16, False, torch.float16),
 ])
 def test_centroid_scores(group, query_lens, clusters, shared, dtype):
@@ -217,13 +230,15 @@ def test_centroid_scores(group, query_lens, clusters, shared, dtype):
     centroids = torch.randn(num_contexts, 2, clusters, query.shape[-1], dtype=dtype)
     sizes = torch.randint(0, 6, (num_contexts, 2, clusters), dtype=torch.int32)
     sizes[-1, -1] = 0
-    contexts = torch.tensor([1, 0, 1, 1], dtype=torch.int32) if shared else None
+    contexts = torch.tensor([1, 0, 1, -1], dtype=torch.int32) if shared else None
     scores = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts)
     expected = ref.centroid_scores(query, centroids, sizes, heads, starts.tolist(), 0.3,
                                    None if contexts is None else contexts.tolist())
     tol = TOL[dtype]
     torch.testing.assert_close(scores, expected, rtol=tol.rtol, atol=tol.atol / 10)
     assert (scores[(sizes if contexts is None else sizes[contexts.long()]) == 0] == 0).all()
+    if shared:
+        assert (scores[3] == 0).all()  # no context
 
 
 def test_centroid_scores_estimate_a_softmax():
@@ -283,14 +298,16 @@ def test_select_banded(budget, max_selected, shared, C):
     scores[0, 0, :4] = 0.05
     budget = (torch.randint(0, 90, (num_reqs, R), dtype=torch.int32) if budget == "per_row"
               else torch.full((num_reqs, R), budget, dtype=torch.int32))
-    contexts = torch.tensor([1, 0, 0, 1], dtype=torch.int32) if shared else None
+    contexts = torch.tensor([1, -1, 0, 1], dtype=torch.int32) if shared else None  # request 1 reads none
     got = select_banded(scores, offsets, positions, budget, max_selected, contexts)
     expected = ref.select_banded(scores, offsets, positions, budget, max_selected,
                                  None if contexts is None else contexts.tolist())
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
     taken = ref.select_positions(scores, offsets, positions, budget, 10 ** 6,
-                                 None if contexts is None else contexts.tolist())[1]
-    assert (got[1] >= torch.minimum(taken, torch.tensor(max_selected))).all()  # never fewer than the exact rule
+                                 None if contexts is None else contexts.clamp(min=0).tolist())[1]
+    read = torch.ones(num_reqs, dtype=torch.bool) if contexts is None else contexts >= 0
+    assert (got[1][read] >= torch.minimum(taken, torch.tensor(max_selected))[read]).all()  # never fewer than exact
+    assert (got[1][~read] == 0).all()
 
 
 def summarized(case: Case) -> torch.Tensor:
