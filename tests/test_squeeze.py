@@ -3,6 +3,8 @@
 interpreter: what a build stores, the lookup against the references, and end to end that a budget of every clustered
 key gives duo's own decode, also past the window."""
 
+import math
+
 import pytest
 import torch
 from test_kernels import PRESETS, Preset, make_case, written_caches
@@ -143,3 +145,29 @@ def test_settings_memory_and_window():
     assert contexts.context_ends([0, 0]).tolist() == [36, 36]
     contexts.free(0)
     assert contexts.clustered(0) == 0
+
+
+def test_plan_gives_slots_where_prefills_end_and_frees_them():
+    """Serving's bookkeeping (`ClusteredContexts.plan`): a long enough prompt takes a free slot in the step its prefill
+    ends (a prefix hit's last token too), its single-token rows read the slot once built, short prompts and prompts
+    finding no free slot are left to duo, and a request gone from the worker frees its slot."""
+    settings = SqueezeSettings(max_contexts=2, min_context_len=100, max_context_len=1000, keys_per_cluster=16,
+                               budget=0.5)
+    contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings)
+    live = {"a", "b", "c", "short", "long"}
+    # a: prefill [0, 96) of 200; b: prefill ends (last chunk); short: a 50-token prompt ends; long: past the slots
+    step = contexts.plan(["a", "b", "short", "long"], [200, 300, 50, 2000], [0, 250, 0, 0], [96, 50, 50, 96], live)
+    assert step.builds == [(1, 0, 300)] and step.context_ids == [-1] * 4 and not step.squeezed
+    contexts.prompt_len[0] = 300  # what the layers' builds set
+    # a ends its prefill (slot 1); b decodes from its slot; c (a prefix hit: only its last prompt token) finds none
+    step = contexts.plan(["a", "b", "c"], [200, 300, 400], [96, 300, 399], [104, 1, 1], live)
+    assert step.builds == [(0, 1, 200)]
+    assert step.context_ids == [-1, 0, -1] and step.context_ends == [0, 300, 0]
+    assert step.budget == [0, math.ceil(0.5 * (300 - 4)), 0]
+    # a's first decode step: its slot is not built yet (no layer ran), so it reads none; then b is gone
+    step = contexts.plan(["a"], [200], [200], [1], live - {"b"})
+    assert step.context_ids == [-1] and contexts.owner == [None, "a"] and contexts.clustered(0) == 0
+    contexts.prompt_len[1] = 200
+    assert contexts.plan(["a"], [200], [201], [1], live).context_ids == [1]
+    # a preempted request recomputing its prompt reads nothing until its prefill is past the prompt again
+    assert contexts.plan(["a"], [200], [0], [1], live).context_ids == [-1]

@@ -34,11 +34,12 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_duo import DUO_BLOCK_SIZE, vllm_seam
-from vllm_duo.config import LayerPlan, serving_plan
+from vllm_duo.config import DuoSettings, LayerPlan, ServingPlan, serving_plan
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 from vllm_duo.reorder import reorder_heads
+from vllm_duo.squeeze import ClusteredContexts, SqueezeRows, SqueezeStep
 
 logger = init_logger(f"vllm.{__name__}")
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
@@ -129,7 +130,8 @@ class DuoAttentionMetadata:
     `max_seq_len` bounds the batch's seq_lens: max_model_len in decode-only batches (see the builder).
     `flash_schedules` collects the step's FlashAttention-3 tile schedules as its layers make them, one per
     retrieval-head count; gpu_attention.py uses it in multi-token batches only (a decode batch may be a
-    CUDA graph replay, whose FlashAttention calls schedule themselves).
+    CUDA graph replay, whose FlashAttention calls schedule themselves). `squeeze`: which rows read a clustered
+    context and which prefills build one (squeeze.py), where the squeeze is on.
     """
 
     num_actual_tokens: int
@@ -142,6 +144,7 @@ class DuoAttentionMetadata:
     query_start_loc_host: list[int] | None
     seq_lens_host: list[int] | None
     flash_schedules: dict[int, torch.Tensor]
+    squeeze: SqueezeRows | None = None
 
 
 class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]):
@@ -174,6 +177,11 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
                        vllm_config.compilation_config.max_cudagraph_capture_size or 0)
             self.retrieval_table = torch.zeros(rows, cdiv(self.max_model_len, block_size), dtype=torch.int32,
                                                device=device)
+        self.contexts = _CONTEXTS.get(id(serving_plan(vllm_config)))
+        if self.contexts is not None:  # context ids, context ends, budgets and FlashAttention's seq_lens, per row
+            rows = max(vllm_config.scheduler_config.max_num_seqs,
+                       vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+            self.squeeze_rows = torch.zeros(4, rows, dtype=torch.int32, device=device)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> DuoAttentionMetadata:
         metadata = self.build(0, common_attn_metadata)
@@ -200,6 +208,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             retrieval_table = self.retrieval_table[:num_reqs]
             pages = block_table[:, ::self.stride]
             retrieval_table[:, :pages.shape[1]].copy_(pages[:, :retrieval_table.shape[1]])
+        squeeze = None if self.contexts is None else self._squeeze_rows(cam)
         return DuoAttentionMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             max_query_len=cam.max_query_len,
@@ -211,7 +220,28 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             query_start_loc_host=cam.query_start_loc_cpu[: num_reqs + 1].tolist() if on_host else None,
             seq_lens_host=cam.seq_lens[:num_reqs].tolist() if on_host else None,
             flash_schedules={},
+            squeeze=squeeze,
         )
+
+    def _squeeze_rows(self, cam: CommonAttentionMetadata) -> SqueezeRows:
+        """This step's squeeze plan (`ClusteredContexts.plan`) in the builder's row buffers. Outside a scheduled step
+        (warm-up, CUDA graph capture) no row reads a context; rows past the input batch's (a graph's padding) none."""
+        num_reqs = cam.num_reqs
+        rows = vllm_seam.step_rows()
+        if rows is None or len(rows.req_ids) > num_reqs:
+            step = SqueezeStep([-1] * num_reqs, [0] * num_reqs, [0] * num_reqs, [])
+        else:
+            starts = cam.query_start_loc_cpu[: len(rows.req_ids) + 1]
+            step = self.contexts.plan(rows.req_ids, rows.prompt_lens, rows.computed, (starts[1:] - starts[:-1]).tolist(),
+                                      rows.live)
+            pad = num_reqs - len(rows.req_ids)
+            step = SqueezeStep(step.context_ids + [-1] * pad, step.context_ends + [0] * pad, step.budget + [0] * pad,
+                               step.builds)
+        buffer = self.squeeze_rows[:, :num_reqs]
+        buffer[:3].copy_(torch.tensor([step.context_ids, step.context_ends, step.budget], dtype=torch.int32))
+        buffer[3].copy_(cam.seq_lens[:num_reqs])
+        buffer[3].masked_fill_(buffer[1] > 0, 1)
+        return SqueezeRows(step, *buffer)
 
 
 class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
@@ -235,10 +265,11 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.heads: LayerHeads | None = None  # bound at load (bind_duo_layers), with the streaming host
         self.stream_host = None
 
-    def bind(self, layer: LayerPlan, stream_host, reordered: bool, device: torch.device) -> None:
+    def bind(self, index: int, layer: LayerPlan, stream_host, reordered: bool, device: torch.device) -> None:
         """This layer's heads as the kernels read them, and the `Attention` layer whose cache holds its page groups
         (None: its own)."""
         serving = serving_plan(self.vllm_config)
+        self.layer_index = index
         retrieval = list(range(len(layer.retrieval))) if reordered else list(layer.retrieval)
         self.heads = LayerHeads.build(retrieval, self.num_kv_heads, self.num_heads, serving.layout.stride,
                                       serving.plan.sink, serving.plan.recent,
@@ -289,23 +320,66 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
+        squeeze = m.squeeze
         if kv_cache.is_cuda and not FORCE_TORCH_PATH:
+            quant = self._quant(layer, on_host=False)
             duo_attention_gpu(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
-                              out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache,
-                              quant=self._quant(layer, on_host=False), retrieval_table=m.retrieval_table,
-                              flash_schedules=m.flash_schedules)
+                              out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache, quant=quant,
+                              retrieval_table=m.retrieval_table, flash_schedules=m.flash_schedules,
+                              retrieval_seq_lens=None if squeeze is None else squeeze.flash_seq_lens)
+            # a CUDA graph replays what its capture ran, whichever rows then read a context
+            if squeeze is not None and (squeeze.step.squeezed or torch.cuda.is_current_stream_capturing()):
+                squeeze_of(self.vllm_config).decode(self.layer_index, q, kv_cache, heads, m.query_start_loc,
+                                                    m.seq_lens, m.block_table, self.scale, out, squeeze, quant)
         else:
+            quant = self._quant(layer, on_host=True)
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
-                          self.scale, out, stream_cache=stream_cache, quant=self._quant(layer, on_host=True))
+                          self.scale, out, stream_cache=stream_cache, quant=quant)
+            if squeeze is not None and squeeze.step.squeezed:
+                squeeze_of(self.vllm_config).decode_reference(self.layer_index, q, kv_cache, heads,
+                                                              m.query_start_loc_host, m.seq_lens_host, m.block_table,
+                                                              self.scale, out, squeeze.step, quant)
+        for row, slot, prompt_len in [] if squeeze is None else squeeze.step.builds:  # their keys are written now
+            squeeze_of(self.vllm_config).build(self.layer_index, slot, kv_cache, heads, m.block_table[row],
+                                               prompt_len, quant)
         return output
+
+
+# The squeeze's clustered contexts of each serving plan in this process (made at load, where the squeeze is on).
+_CONTEXTS: dict[int, ClusteredContexts] = {}
+
+
+def squeeze_of(vllm_config) -> ClusteredContexts:
+    return _CONTEXTS[id(serving_plan(vllm_config))]
+
+
+def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torch.device) -> None:
+    """Where the squeeze is on: its slots of clustered contexts, allocated at load so that vLLM counts them with
+    the weights before it sizes the KV cache; and the step rows the metadata builder plans from."""
+    settings = DuoSettings.from_additional_config(vllm_config.additional_config).squeeze
+    if settings is None:
+        return
+    vllm_seam.require("step_rows")
+    vllm_seam.touch("step_rows").apply()
+    longest = min(settings.max_context_len, vllm_config.model_config.max_model_len - serving.plan.sink)
+    settings = settings.model_copy(update={"max_context_len": max(1, longest)})
+    retrieval = [len(layer.retrieval) for layer in serving.layers]
+    dtype = vllm_config.model_config.dtype
+    centroids = dtype if dtype in (torch.float16, torch.float32) else torch.bfloat16
+    _CONTEXTS[id(serving)] = ClusteredContexts(retrieval, head_dim, serving.plan.sink, settings, device, centroids)
+    slot_bytes = ClusteredContexts.bytes_needed(retrieval, head_dim, settings, centroids) // settings.max_contexts
+    logger.info(settings.summary(serving.plan.sink, slot_bytes))
 
 
 def bind_duo_layers(model: torch.nn.Module, device: torch.device) -> None:
     """The load step (vllm_seam: reorder_before_quant), before vLLM repacks or quantizes the weights: each duo
     layer's heads are reordered where its weights allow (reorder.py), and its impl gets its heads and streaming host
-    once, from the serving plan the KV cache spec and the metadata builder read too."""
+    once, from the serving plan the KV cache spec and the metadata builder read too; the squeeze's store is made."""
     attention = {extract_layer_index(module.layer_name): module for module in model.modules()
                  if isinstance(getattr(module, "impl", None), DuoAttentionImpl)}
+    if attention:
+        first = next(iter(attention.values()))
+        make_contexts(first.impl.vllm_config, serving_plan(first.impl.vllm_config), first.impl.head_size, device)
     parents = {id(module.attn): module for module in model.modules() if getattr(module, "attn", None) is not None}
     kept = []
     for index, attn in attention.items():
@@ -315,7 +389,7 @@ def bind_duo_layers(model: torch.nn.Module, device: torch.device) -> None:
         if not reordered:
             kept.append(attn.layer_name)
         host = attention[layer.placement.host] if layer.placement and layer.placement.host != index else None
-        attn.impl.bind(layer, host, reordered, device)
+        attn.impl.bind(index, layer, host, reordered, device)
     if kept:
         logger.info("duo: %d attention layers keep the model's head order (quantized or not a fused qkv "
                     "projection) and run on head index maps, e.g. %s", len(kept), kept[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,37 @@ class DuoConfigError(Exception):
     """
 
 
+class SqueezeSettings(BaseModel):
+    """budget: share of a context's clustered keys each retrieval head reads at decode (0 < budget <= 1);
+    keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most; max_contexts: slots kept at once;
+    min_context_len / max_context_len: the prompts a slot takes (others are served by duo unsqueezed; the longest
+    sizes every slot)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget: float = Field(default=0.25, gt=0.0, le=1.0)
+    keys_per_cluster: int = Field(default=16, ge=1)
+    iters: int = Field(default=10, ge=1)
+    max_contexts: int = Field(default=4, ge=1)
+    min_context_len: int = Field(default=4096, ge=1)
+    max_context_len: int = Field(default=131072, ge=1)
+
+    def num_clusters(self, num_keys: int) -> int:
+        return max(1, math.ceil(num_keys / self.keys_per_cluster))
+
+    def max_selected(self) -> int:
+        """Positions a row's selection holds: the budget of the longest context, with room for the band above it
+        (`select_banded` takes whole score bands: +15% at 1/16 with random clusters)."""
+        T = self.max_context_len
+        return min(T, 2 * math.ceil(self.budget * T) + self.keys_per_cluster)
+
+    def summary(self, sink: int, slot_bytes: int) -> str:
+        return (f"duo squeeze: retrieval heads of prompts of {self.min_context_len} to {self.max_context_len + sink} "
+                f"tokens read {self.budget:g} of their clustered keys at decode ({self.keys_per_cluster} keys per "
+                f"cluster, {self.iters} Lloyd iterations), plus sinks and window; {self.max_contexts} contexts at once, "
+                f"{slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside the KV cache")
+
+
 class DuoSettings(BaseModel):
     """What a user may put under `--additional-config '{"duo": {...}}'`.
 
@@ -36,6 +68,7 @@ class DuoSettings(BaseModel):
     sparsity: float | None = Field(default=None, ge=0.0, le=1.0)
     sink: int | None = Field(default=None, ge=0)
     recent: int | None = Field(default=None, ge=0)
+    squeeze: SqueezeSettings | None = None  # Squeezed Attention on the retrieval heads of long prompts (squeeze.py)
 
     @classmethod
     def from_additional_config(cls, additional_config: dict | None) -> DuoSettings:

@@ -27,7 +27,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       block_table: torch.Tensor, scale: float, output: torch.Tensor, max_query_len: int,
                       max_seq_len: int, max_num_splits: int | None = None, stream_cache: torch.Tensor | None = None,
                       quant: KVQuant | None = None, retrieval_table: torch.Tensor | None = None,
-                      flash_schedules: dict[int, torch.Tensor] | None = None) -> None:
+                      flash_schedules: dict[int, torch.Tensor] | None = None,
+                      retrieval_seq_lens: torch.Tensor | None = None) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -38,12 +39,16 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             the backend makes it once per step for all layers, in a buffer CUDA graphs can replay).
         flash_schedules: the step's FlashAttention-3 tile schedules by retrieval-head count, shared by its layers
             (`retrieval_flash_attention`); multi-token batches only, which run outside CUDA graphs.
+        retrieval_seq_lens: where the squeeze is on, the keys FlashAttention reads of each row's retrieval heads
+            (1 at rows whose squeezed decode follows, `SqueezeRows.flash_seq_lens`); FlashAttention then takes
+            the retrieval heads of decode too.
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
                                                      quant)
     flash = vllm_seam.flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
-    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn)
+    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn
+                                      or retrieval_seq_lens is not None)
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash)
@@ -53,7 +58,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if retrieval_table is None:
         retrieval_table = block_table[:, ::heads.stride].contiguous()
     retrieval = functools.partial(
-        retrieval_flash_attention, flash, query, cache, heads, query_start_loc, seq_lens, retrieval_table, scale,
+        retrieval_flash_attention, flash, query, cache, heads, query_start_loc,
+        seq_lens if retrieval_seq_lens is None else retrieval_seq_lens, retrieval_table, scale,
         output, max_query_len, max_seq_len, quant,
         num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
         schedules=flash_schedules if max_query_len > 1 else None)

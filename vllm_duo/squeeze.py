@@ -18,6 +18,12 @@ attends exactly over those keys plus the sinks and the recent window (kernels/sp
 Tokens generated after the prompt are not clustered: they are read whole, the sparse decode's window starting at
 the prompt's end at the latest (`context_ends`).
 
+Serving (backend.py) plans each step once (`ClusteredContexts.plan`): a request whose prompt is long enough takes a
+free slot in the step where its prefill ends, and each layer clusters its keys into the slot right after that layer's
+attention has written them; from the next step on, its single-token rows read the slot. Requests without a slot (the
+slots were taken, the prompt too short or too long) are served by duo unsqueezed; a slot is freed once its request is
+gone from the worker (finished, aborted or preempted).
+
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
 centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
 as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes R x C and offsets R x (C + 1) int32,
@@ -28,30 +34,47 @@ and a build allocates nothing but the clustering's scratch. `ClusteredContexts.b
 from __future__ import annotations
 
 import math
+from collections.abc import Container
+from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_duo.config import SqueezeSettings
+from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, to_csr
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, read_retrieval
 from vllm_duo.kernels.selection import centroid_scores, select_banded
+from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
 
-class SqueezeSettings(BaseModel):
-    """budget: share of a context's clustered keys each retrieval head reads at decode (0 < budget <= 1);
-    keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most; max_contexts: slots kept at once;
-    max_context_len: the longest prompt a slot holds (longer ones are served by duo unsqueezed)."""
+@dataclass
+class SqueezeStep:
+    """One step's plan, per batch row: the slot it reads (-1: none), where that context ends (0: none) and the keys
+    its retrieval heads select (0: none); `builds` lists (row, slot, prompt_len) for each prefill that ends in this
+    step and clusters its context into `slot`."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    context_ids: list[int]
+    context_ends: list[int]
+    budget: list[int]
+    builds: list[tuple[int, int, int]]
 
-    budget: float = Field(default=0.25, gt=0.0, le=1.0)
-    keys_per_cluster: int = Field(default=16, ge=1)
-    iters: int = Field(default=10, ge=1)
-    max_contexts: int = Field(default=4, ge=1)
-    max_context_len: int = Field(default=131072, ge=1)
+    @property
+    def squeezed(self) -> bool:
+        return any(end > 0 for end in self.context_ends)
 
-    def num_clusters(self, num_keys: int) -> int:
-        return max(1, math.ceil(num_keys / self.keys_per_cluster))
+
+@dataclass
+class SqueezeRows:
+    """A step's plan as the kernels read it: `[num_reqs]` int32 tensors on the cache's device (slices of buffers that
+    CUDA graphs replay from), and the plan itself for the PyTorch path and the builds. `flash_seq_lens` is the
+    step's seq_lens with 1 at the rows that read a context: what FlashAttention reads of their retrieval heads
+    before the sparse decode overwrites them."""
+
+    step: SqueezeStep
+    context_ids: torch.Tensor
+    context_ends: torch.Tensor
+    budget: torch.Tensor
+    flash_seq_lens: torch.Tensor
 
 
 class ClusteredContexts:
@@ -76,6 +99,7 @@ class ClusteredContexts:
         self.offsets = [torch.zeros(slots, R, C + 1, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.prompt_len = [0] * slots
+        self.owner: list[str | None] = [None] * slots  # the request each slot serves
 
     @staticmethod
     def bytes_needed(retrieval_per_layer: list[int], head_dim: int, settings: SqueezeSettings,
@@ -110,6 +134,33 @@ class ClusteredContexts:
 
     def free(self, slot: int) -> None:
         self.prompt_len[slot] = 0
+        self.owner[slot] = None
+
+    def plan(self, req_ids: list[str], prompt_lens: list[int], computed: list[int], query_lens: list[int],
+             live: Container[str]) -> SqueezeStep:
+        """This step's `SqueezeStep` for rows `req_ids` (their prompt lengths, tokens computed before the step and
+        tokens in it); `live`: every request the worker still holds. Frees the slots of requests gone, gives a free
+        slot to each long enough prompt whose prefill ends in this step, and lets each single-token row past its
+        prompt read its request's built slot."""
+        settings, num_rows = self.settings, len(req_ids)
+        for slot, owner in enumerate(self.owner):
+            if owner is not None and owner not in live:
+                self.free(slot)
+        slot_of = {owner: slot for slot, owner in enumerate(self.owner) if owner is not None}
+        step = SqueezeStep([-1] * num_rows, [0] * num_rows, [0] * num_rows, [])
+        for row, (req, prompt_len, before, new) in enumerate(zip(req_ids, prompt_lens, computed, query_lens)):
+            slot = slot_of.get(req)
+            if slot is None:
+                fits = settings.min_context_len <= prompt_len and 0 < prompt_len - self.sink <= settings.max_context_len
+                if fits and before < prompt_len <= before + new and None in self.owner:
+                    slot = self.owner.index(None)
+                    self.owner[slot] = req
+                    step.builds.append((row, slot, prompt_len))
+            elif new == 1 and before >= prompt_len and self.prompt_len[slot] == prompt_len:  # built, decoding
+                step.context_ids[row] = slot
+                step.context_ends[row] = prompt_len
+                step.budget[row] = math.ceil(settings.budget * self.clustered(slot))
+        return step
 
     def clustered(self, slot: int) -> int:
         """How many positions the slot's CSR holds: [sink, prompt_len) of its context, 0 when free."""
@@ -124,6 +175,31 @@ class ClusteredContexts:
         """`[num_reqs]` int32: keys each retrieval head of a request reads beyond the sinks and window."""
         keys = [math.ceil(self.settings.budget * self.clustered(s)) for s in slots]
         return torch.tensor(keys, dtype=torch.int32, device=self.device)
+
+    def decode(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
+               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+               output: torch.Tensor, rows: SqueezeRows, quant: KVQuant | None = None) -> None:
+        """The retrieval heads of the rows that read a context, by the Triton kernels: their lookup, then the sparse
+        decode over sinks, selected keys and window, written into `output`; other rows are left as they are. Fixed
+        shapes and no host syncs: CUDA-graph capturable."""
+        selected, counts = self.select(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale,
+                                       self.settings.max_selected())
+        sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, selected,
+                                counts, quant=quant, checked=True, context_ends=rows.context_ends)
+
+    def decode_reference(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
+                         query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor, scale: float,
+                         output: torch.Tensor, step: SqueezeStep, quant: KVQuant | None = None) -> None:
+        """`decode` by the PyTorch references (sparse_reference.py), from the host lists: the CPU's path."""
+        if not heads.num_retrieval:
+            return
+        scores = sparse_reference.centroid_scores(query, self.centroids[layer], self.sizes[layer], heads,
+                                                  query_start_loc, scale, step.context_ids)
+        budget = torch.tensor(step.budget, dtype=torch.int32)[:, None].expand(-1, heads.num_retrieval)
+        selected, counts = sparse_reference.select_banded(scores, self.offsets[layer], self.positions[layer], budget,
+                                                          self.settings.max_selected(), step.context_ids)
+        sparse_reference.sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale,
+                                                 output, selected, counts, quant, context_ends=step.context_ends)
 
     def select(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                context_ids: torch.Tensor, budget: torch.Tensor, scale: float,

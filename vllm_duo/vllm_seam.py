@@ -27,6 +27,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
 | inproc_engine_core | all | capacity.py reads an in-process `LLM`'s EngineCore (`llm_engine.engine_core.engine_core`), its scheduler's `kv_cache_config` and block pool (checked where used) |
 | prefix_cache_lookups | 0.26-0.32 | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used; 0.33 passes `max_cache_hit_length` to the lookup and moved `get_kv_cache_configs` to kv_cache_planning with a fourth argument, so cache_sim stops there) |
+| step_rows | all | applied by the load step where the squeeze is on: the V1 model runner's `_build_attention_metadata` records, for a scheduled step (it is passed `num_scheduled_tokens`), its input batch's `req_ids`, `num_prompt_tokens`, `num_computed_tokens_cpu` and the runner's live `requests`: the squeeze (squeeze.py) plans which rows read a clustered context from them |
 | bench_throughput_requests | all | `python -m vllm_duo.tools.bench --pretokenized` wraps `vllm.benchmarks.throughput.get_requests`: text prompts go as token ids (checked where used) |
 """
 
@@ -651,6 +652,72 @@ def pretokenize_bench_throughput() -> None:
     throughput.get_requests = get_requests
 
 
+# --- which request each batch row is (the squeeze) -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepRows:
+    """The scheduled step's rows in batch order: request ids, prompt lengths, tokens computed before this step, and
+    the ids of every request the worker still holds (finished ones are gone)."""
+
+    req_ids: list[str]
+    prompt_lens: list[int]
+    computed: list[int]
+    live: object  # a container of request ids
+
+
+_STEP_ROWS: list[StepRows | None] = [None]
+
+
+def _runner_class():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+def _check_step_rows() -> str | None:
+    runner = _runner_class()
+    build = getattr(runner, "_build_attention_metadata", None)
+    if build is None:
+        return "GPUModelRunner has no _build_attention_metadata"
+    if getattr(build, "_duo_records", False):
+        return None
+    if "num_scheduled_tokens" not in _params(build):
+        return "GPUModelRunner._build_attention_metadata takes no num_scheduled_tokens"
+    from vllm.v1.worker import gpu_input_batch
+
+    return _source_mentions(gpu_input_batch.InputBatch, ["self._req_ids", "self.num_prompt_tokens",
+                                                         "self.num_computed_tokens_cpu"], "InputBatch")
+
+
+def _record_step_rows() -> None:
+    runner = _runner_class()
+    build = runner._build_attention_metadata
+    if getattr(build, "_duo_records", False):
+        return
+
+    @functools.wraps(build)
+    def _build_attention_metadata(self, *args, **kwargs):
+        rows = None
+        if kwargs.get("num_scheduled_tokens") is not None:  # a scheduled step, not a warm-up or capture
+            batch = self.input_batch
+            n = batch.num_reqs
+            rows = StepRows(list(batch.req_ids[:n]), batch.num_prompt_tokens[:n].tolist(),
+                            batch.num_computed_tokens_cpu[:n].tolist(), self.requests)
+        _STEP_ROWS[0] = rows
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            _STEP_ROWS[0] = None
+
+    _build_attention_metadata._duo_records = True
+    runner._build_attention_metadata = _build_attention_metadata
+
+
+def step_rows() -> StepRows | None:
+    """The rows of the step whose attention metadata vLLM is building (None outside a scheduled step's build)."""
+    return _STEP_ROWS[0]
+
+
 TOUCHES = [
     Touch("backend_member_private", None, "0.31", _check_enum_private, _add_member_private),
     Touch("backend_member_public", "0.32.0", None, _check_register_backend, _add_member_public),
@@ -671,6 +738,7 @@ TOUCHES = [
     Touch("inproc_engine_core", None, None, _check_inproc_engine_core),
     Touch("prefix_cache_lookups", None, "0.32", _check_prefix_cache_lookups),
     Touch("bench_throughput_requests", None, None, _check_throughput_requests),
+    Touch("step_rows", None, None, _check_step_rows, _record_step_rows),
 ]
 BY_NAME = {touch.name: touch for touch in TOUCHES}
 
@@ -701,7 +769,7 @@ def add_backend_member() -> None:
 CHECKED_AT_IMPORT = {"backend_interface", "manager_interface"}
 # Checked where duo's tools use them, not at vLLM startup (serving does not).
 CHECKED_WHERE_USED = {"kv_cache_layout_resolution", "inproc_engine_core", "prefix_cache_lookups",
-                      "bench_throughput_requests"}
+                      "bench_throughput_requests", "step_rows"}
 
 
 def install() -> None:
