@@ -197,6 +197,24 @@ json.dump(c, open(p, 'w'), indent=1)"
     cluster_bench) timeout 400 python3 benchmarks/cluster_bench.py 2>&1 | tee "$OUT/cluster_bench.log" | tail -20 ;;
     sparse_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_kernels.py \
         tests/test_clustering.py 2>&1 | tee "$OUT/gpu_sparse_tests.log" | tail -8 ;;
+    # issue 33 served: the sparse kernels' GPU tests beside the squeeze end to end on SmolLM2 (CUDA graphs, bf16, fp8)
+    squeeze_tests)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_kernels.py tests/test_clustering.py \
+        > "$OUT/gpu_sparse_tests.log" 2>&1 &
+      timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -k squeeze tests/test_gpu_e2e.py \
+        > "$OUT/gpu_e2e_squeeze.log" 2>&1 &
+      wait; tail -n 6 "$OUT/gpu_sparse_tests.log"; tail -n 12 "$OUT/gpu_e2e_squeeze.log" ;;
+    # issue 33's accuracy: full, duo50 and duo50 squeezed at two budgets on both families (SEED, default 1), two
+    # evals side by side, each engine in a quarter of the GPU
+    squeeze_eval)
+      for methods in "full duo50" "duo50-sq20 duo50-sq12"; do
+        INSTALLED=1 DEADLINE=$((DEADLINE - SECONDS)) EVAL_NAME=squeeze-${methods// /-} \
+          EVAL_ARGS="--methods $methods --seed ${SEED:-1} --engine-args $EVAL_ENGINE" bash benchmarks/gpu_run.sh eval > $WORK/squeeze-eval-${methods// /-}.out 2>&1 &
+      done; wait; tail -n 12 $WORK/squeeze-eval-*.out ;;
+    # issue 33's speed: decode of 4 requests of 128k tokens at once (tpot_sweep's median inter-token latency), fp8 KV,
+    # ONLY=dense|duo|squeeze (duo with the squeeze at budgets 1/16 and 1/4), all into one folder
+    squeeze_tpot) bench squeeze-tpot --workloads tpot_sweep --set tpot_sweep.input_lens=131072 \
+        --max-model-len tpot_sweep=132000 --kv-cache-dtype fp8 --squeeze 0.0625 0.25 --only ${ONLY:?set ONLY} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

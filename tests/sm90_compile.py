@@ -133,7 +133,7 @@ def cases():
             yield (f"centroid logits {tag}", _centroid_logits_kernel, model, cache,
                    dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True), {})
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
-                   dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=4, BLOCK_T=64), {})
+                   dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=4, BLOCK_T=64, CONTEXTS=True), {})
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
             bands = dict(BLOCK_C=1024, TILE_CHUNKS=1, CONTEXTS=True)
             yield f"band sizes {tag}", _band_sizes_kernel, model, cache, bands, {}

@@ -123,6 +123,31 @@ def test_unsupported_model_kind_is_refused(case, fp8_config):
     assert re.search(expected, reason), reason
 
 
+SQUEEZE = {"duo": {**DUO["duo"], "squeeze": {"budget": 0.25}}}
+
+
+@pytest.mark.parametrize("attributes, expected", [
+    (dict(parallel_config=dict(tensor_parallel_size=2)), r"^duo.squeeze with --tensor-parallel-size > 1: .* out$"),
+    (dict(use_v2_model_runner=True), r"^duo.squeeze with vLLM's V2 model runner: .* VLLM_USE_V2_MODEL_RUNNER=0")])
+def test_the_squeeze_is_refused_where_it_cannot_run(attributes, expected, fp8_config):
+    parts = {name: Overridden(getattr(fp8_config, name), **value) if isinstance(value, dict) else value
+             for name, value in attributes.items()}
+    assert refusal(Overridden(fp8_config, additional_config=SQUEEZE)) is None
+    assert refusal(Overridden(fp8_config, **parts)) is None  # without the squeeze
+    reason = refusal(Overridden(fp8_config, additional_config=SQUEEZE, **parts))
+    assert reason is not None and "\n" not in reason and re.search(expected, reason), reason
+
+
+def test_bad_squeeze_settings_stop_config_in_one_line(smollm2_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    bad = {"duo": {**DUO["duo"], "squeeze": {"budget": 0}}}
+    with pytest.raises(DuoConfigError, match=r"^bad --additional-config duo.squeeze.budget: ") as error:
+        EngineArgs(model=smollm2_dir, max_model_len=2048, attention_backend="duo",
+                   additional_config=bad).create_engine_config()
+    assert "\n" not in str(error.value)
+
+
 def test_fp8_needs_an_fp8_capable_gpu(fp8_config):
     assert refusal(fp8_config, fp8_capable=True) is None
     assert "compute capability 8.9" in refusal(fp8_config, fp8_capable=False)

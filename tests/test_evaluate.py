@@ -73,21 +73,24 @@ def test_classic_passkey_prompts_are_the_published_test(tokenizer, smollm2_dir):
     assert case.correct(f"\n{case.key}.") and not case.correct(case.key[:4])  # anywhere in the answer
 
 
-@pytest.mark.parametrize("name, kind, sparsity, kv_cache, recent, reference", [
-    ("duo50", "duo", 0.5, "", None, "full"),
-    ("duo50-fp8", "duo", 0.5, "-fp8", None, "full-fp8"),
-    ("duo50-fp8calc-r512", "duo", 0.5, "-fp8calc", 512, "full"),  # no full-fp8calc in the eval: full
-    ("full-fp8", "full", 0.0, "-fp8", None, "full"),
-    ("full", "full", 0.0, "", None, None),
-    ("streaming50-r384", "streaming", 0.5, "", 384, "full")])
-def test_methods_name_their_kv_cache_window_and_reference(name, kind, sparsity, kv_cache, recent, reference):
+@pytest.mark.parametrize("name, kind, sparsity, kv_cache, recent, reference, squeeze", [
+    ("duo50", "duo", 0.5, "", None, "full", None),
+    ("duo50-fp8", "duo", 0.5, "-fp8", None, "full-fp8", None),
+    ("duo50-fp8calc-r512", "duo", 0.5, "-fp8calc", 512, "full", None),  # no full-fp8calc in the eval: full
+    ("full-fp8", "full", 0.0, "-fp8", None, "full", None),
+    ("full", "full", 0.0, "", None, None, None),
+    ("streaming50-r384", "streaming", 0.5, "", 384, "full", None),
+    ("duo50-fp8-sq25-r512", "duo", 0.5, "-fp8", 512, "full-fp8", 0.25)])
+def test_methods_name_their_kv_cache_window_and_reference(name, kind, sparsity, kv_cache, recent, reference, squeeze):
     method = evaluate.Method.parse(name)
     assert (method.kind, method.sparsity, method.kv_cache, method.recent) == (kind, sparsity, kv_cache, recent)
+    assert method.squeeze == squeeze
     assert method.reference(["full", "full-fp8", name]) == reference
     assert evaluate.KV_CACHE_ARGS[kv_cache].get("kv_cache_dtype") == ("fp8" if kv_cache else None)
 
 
-@pytest.mark.parametrize("name", ["full50", "duo", "duo50-fp16", "duo50-r", "duo50-r512-fp8", "duo101"])
+@pytest.mark.parametrize("name", ["full50", "duo", "duo50-fp16", "duo50-r", "duo50-r512-fp8", "duo101",
+                                  "zigzag50-sq25", "duo50-sq0", "duo50-r512-sq25"])
 def test_a_method_name_out_of_the_grammar_is_one_line(name):
     with pytest.raises(evaluate.PatternError, match="optionally with -fp8 or -fp8calc"):
         evaluate.Method.parse(name)

@@ -135,3 +135,19 @@ def test_prefix_hit_answers_as_cold(model):
         first = next((i for i, (a, b) in enumerate(zip(run["hit"]["tokens"], run["cold"]["tokens"])) if a != b), None)
         assert first is None or run["cold"]["gaps"][first] < NEAR_TIE, f"{run['doc']}-token document"
         assert moved(run, first) < bound, f"{run['doc']}-token document"
+
+
+SQUEEZE_ALL = {"budget": 1.0, "min_context_len": 256, "max_contexts": 4, "keys_per_cluster": 8}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_squeeze_of_every_key_answers_as_duo(model, tmp_path, kv_cache_dtype):
+    """The squeeze served on the GPU (FlashAttention reads one key of a squeezed row, then the lookup and sparse
+    decode kernels; decode batches in full CUDA graphs): at a budget of every clustered key, duo's answers."""
+    duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
+    engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=False, dtype="bfloat16",
+                  max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype)
+    lengths = (20, 300, 900, 2000)
+    expected = generate_in_subprocess(engine, "duo", duo, lengths)
+    squeezed = generate_in_subprocess(engine, "duo", dict(duo, squeeze=SQUEEZE_ALL), lengths)
+    assert_same_greedy(squeezed, expected)

@@ -7,6 +7,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -27,15 +28,16 @@ class DuoConfigError(Exception):
 
 class SqueezeSettings(BaseModel):
     """budget: share of a context's clustered keys each retrieval head reads at decode (0 < budget <= 1);
-    keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most; max_contexts: slots kept at once;
-    min_context_len / max_context_len: the prompts a slot takes (others are served by duo unsqueezed; the longest
-    sizes every slot)."""
+    keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most, from `init` seeds; max_contexts: slots
+    kept at once; min_context_len / max_context_len: the prompts a slot takes (others are served by duo unsqueezed;
+    the longest sizes every slot)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     budget: float = Field(default=0.25, gt=0.0, le=1.0)
     keys_per_cluster: int = Field(default=16, ge=1)
     iters: int = Field(default=10, ge=1)
+    init: Literal["random", "k-means++"] = "random"  # k-means++ draws its C seeds one after another: 65 s at 128k
     max_contexts: int = Field(default=4, ge=1)
     min_context_len: int = Field(default=4096, ge=1)
     max_context_len: int = Field(default=131072, ge=1)
@@ -52,7 +54,7 @@ class SqueezeSettings(BaseModel):
     def summary(self, sink: int, slot_bytes: int) -> str:
         return (f"duo squeeze: retrieval heads of prompts of {self.min_context_len} to {self.max_context_len + sink} "
                 f"tokens read {self.budget:g} of their clustered keys at decode ({self.keys_per_cluster} keys per "
-                f"cluster, {self.iters} Lloyd iterations), plus sinks and window; {self.max_contexts} contexts at once, "
+                f"cluster, {self.iters} Lloyd iterations from {self.init} seeds), plus sinks and window; {self.max_contexts} contexts at once, "
                 f"{slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside the KV cache")
 
 

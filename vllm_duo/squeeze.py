@@ -100,6 +100,9 @@ class ClusteredContexts:
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.prompt_len = [0] * slots
         self.owner: list[str | None] = [None] * slots  # the request each slot serves
+        # over every squeezed decode row and retrieval head so far: keys selected (at most read: those in the window
+        # are read once, as window), keys clustered
+        self.reads = torch.zeros(2, dtype=torch.int64, device=device)
 
     @staticmethod
     def bytes_needed(retrieval_per_layer: list[int], head_dim: int, settings: SqueezeSettings,
@@ -121,7 +124,7 @@ class ClusteredContexts:
             keys, _ = read_retrieval(cache, table_row.long(), prompt_len, R, heads.stride, quant)
             keys = keys[self.sink:].transpose(0, 1).float()  # [R, T, D]
             C = self.settings.num_clusters(T)
-            clusters = cluster_keys(keys, C, iters=self.settings.iters, seed=seed)
+            clusters = cluster_keys(keys, C, iters=self.settings.iters, seed=seed, init=self.settings.init)
             offsets, positions = to_csr(clusters.labels, C, positions_offset=self.sink)
             self.centroids[layer][slot].zero_()
             self.sizes[layer][slot].zero_()
@@ -186,6 +189,7 @@ class ClusteredContexts:
                                        self.settings.max_selected())
         sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, selected,
                                 counts, quant=quant, checked=True, context_ends=rows.context_ends)
+        self._count(counts, rows.context_ends, heads.num_retrieval)
 
     def decode_reference(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                          query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor, scale: float,
@@ -200,6 +204,17 @@ class ClusteredContexts:
                                                           self.settings.max_selected(), step.context_ids)
         sparse_reference.sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale,
                                                  output, selected, counts, quant, context_ends=step.context_ends)
+        self._count(counts, torch.tensor(step.context_ends), heads.num_retrieval)
+
+    def _count(self, counts: torch.Tensor, context_ends: torch.Tensor, num_retrieval: int) -> None:
+        """Add a layer's squeezed rows to `reads` (on the device, no sync: a CUDA graph replays the sums too)."""
+        self.reads[0] += counts.sum()
+        self.reads[1] += (context_ends.to(self.reads.device) - self.sink).clamp(min=0).sum() * num_retrieval
+
+    def read_share(self) -> float | None:
+        """Keys selected / keys clustered over the squeezed decode so far (None before any)."""
+        selected, clustered = self.reads.tolist()
+        return selected / clustered if clustered else None
 
     def select(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                context_ids: torch.Tensor, budget: torch.Tensor, scale: float,

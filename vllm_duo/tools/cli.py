@@ -147,6 +147,10 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--zigzag-sparsity", type=float, nargs="+", default=[], metavar="S",
                         help="also run duo with the pattern's layer-exclusive (ZigzagAttention) form at these "
                              "sparsities, written to OUT/patterns/ (not in the capacity and ceiling workloads)")
+    parser.add_argument("--squeeze", type=float, nargs="+", default=[], metavar="BUDGET",
+                        help="also run duo with Squeezed Attention (duo.squeeze) reading these shares of each "
+                             "prompt's clustered keys at decode, at each --sparsity (not in the capacity and ceiling "
+                             "workloads)")
     parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
     parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
     parser.add_argument("--workloads", nargs="+", default=["all"], metavar="NAME",
@@ -166,7 +170,7 @@ def _add_bench_command(commands: _Subparsers) -> None:
     parser.add_argument("--engine-args", metavar="'ARGS'",
                         help="more vLLM engine arguments for every run, dense and duo alike, e.g. "
                              "'--gpu-memory-utilization 0.9'")
-    parser.add_argument("--only", choices=["dense", "duo", "zigzag"],
+    parser.add_argument("--only", choices=["dense", "duo", "zigzag", "squeeze"],
                         help="run only the dense baselines, only head-level duo or only the zigzag runs: one part "
                              "of a suite split over several calls of one machine into the same --out, where the "
                              "parts meet in one report")
@@ -288,7 +292,8 @@ def _add_eval_command(commands: _Subparsers) -> None:
                     "a loss there. Methods: full (vLLM's dense backend), duoXX (the pattern at sparsity XX%), zigzagXX "
                     "(its layer-exclusive form), randomXX (random gates, same sparsity), streamingXX (all heads "
                     "streaming at the KV budget of duoXX); -fp8 / -fp8calc: an fp8 KV cache with scales 1.0 / "
-                    "calculated by vLLM (compared with full-fp8 when it runs), -rN: duo's recent window N.")
+                    "calculated by vLLM (compared with full-fp8 when it runs), -sqNN: duo with Squeezed Attention "
+                    "reading NN% of each prompt's clustered keys at decode, -rN: duo's recent window N.")
     parser.add_argument("--model", metavar="MODEL_DIR", help="Hugging Face model folder (default: the bundled "
                                                              "SmolLM2-135M-Instruct)")
     parser.add_argument("--pattern", help="duo head pattern: a file, bundled name or reference folder (default: "

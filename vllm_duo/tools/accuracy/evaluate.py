@@ -52,7 +52,10 @@ CPU_PASSKEY_REPEATS = (20, 40)
 CPU_PROMPT_S = {"dense": (1.25e-3, 2.5e-7), "duo": (1.6e-3, 1.4e-6)}
 CPU_ENGINE_START_S = 10.0
 ENGINE_LOG = "engines.log"  # vLLM's output, in the results folder
-_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc)?(?:-r(\d{1,6}))?$")
+_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc)?(?:-sq(\d{1,3}))?(?:-r(\d{1,6}))?$")
+# A squeezed method's engine (`duoXX-sqNN`): every prompt of the grid squeezed (the shortest are ~0.5k tokens), one
+# slot per running request.
+SQUEEZE_ENGINE = {"min_context_len": 256, "max_contexts": 64}
 # What a method's KV cache suffix asks of vLLM: e4m3 with scales 1.0 (a checkpoint without scales), or with scales
 # vLLM computes from the first batch (--calculate-kv-scales; vLLM 0.26-0.27).
 KV_CACHE_ARGS = {"": {}, "-fp8": {"kv_cache_dtype": "fp8"},
@@ -68,7 +71,9 @@ class Method:
     `streamingXX`: every head streaming, with `recent` chosen per context so that the KV memory per request matches
     `duoXX` (see streaming_recent).
     Suffixes: `-fp8` an fp8 KV cache (scales 1.0), `-fp8calc` one with vLLM's calculated scales (KV_CACHE_ARGS);
-    `-rN` duo's recent window N instead of --recent. Each method is compared with its `reference`: full attention
+    `-sqNN` (duo only) Squeezed Attention on the retrieval heads, reading NN% of each prompt's clustered keys at
+    decode (duo.squeeze, squeeze.py); `-rN` duo's recent window N instead of --recent. Each method is compared with
+    its `reference`: full attention
     with the same KV cache when the eval runs it (full-fp8 for duo50-fp8; full for full-fp8), else `full`.
     """
 
@@ -76,17 +81,20 @@ class Method:
     kind: str
     sparsity: float
     kv_cache: str = ""  # a key of KV_CACHE_ARGS
+    squeeze: float | None = None  # the squeeze's budget
     recent: int | None = None
 
     @classmethod
     def parse(cls, name: str) -> Method:
         match = _METHOD.match(name)
-        if not match or (match[1] == "full") != (match[2] is None) or int(match[2] or 0) > 100:
+        if (not match or (match[1] == "full") != (match[2] is None) or int(match[2] or 0) > 100
+                or (match[4] is not None and (match[1] != "duo" or not 0 < int(match[4]) <= 100))):
             raise PatternError(f"method {name!r} is not full, duoXX, zigzagXX, randomXX or streamingXX (XX = sparsity "
-                               "in %, e.g. duo50, streaming50), optionally with -fp8 or -fp8calc (fp8 KV cache) and "
-                               "-rN (recent window), e.g. duo50-fp8, full-fp8, duo50-r512")
+                               "in %, e.g. duo50, streaming50), optionally with -fp8 or -fp8calc (fp8 KV cache), "
+                               "-sqNN (duo only: the squeeze reading NN% of the clustered keys) and -rN (recent "
+                               "window), e.g. duo50-fp8, full-fp8, duo50-sq25, duo50-r512")
         return cls(name, match[1], int(match[2] or 0) / 100, match[3] or "",
-                   int(match[4]) if match[4] else None)
+                   int(match[4]) / 100 if match[4] else None, int(match[5]) if match[5] else None)
 
     def reference(self, names: list[str]) -> str | None:
         """The full-attention method among `names` this one is compared with."""
@@ -273,6 +281,8 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
     if method.kind == "zigzag":  # its stored layer-exclusive mask, not the gates at a sparsity
         return [({"sink": settings.sink, "recent": recent, "pattern": pattern_files[method.name]}, cases)]
     if method.kind == "duo":
+        if method.squeeze:
+            duo["squeeze"] = dict(SQUEEZE_ENGINE, budget=method.squeeze)
         return [(duo, cases)]
     runs = []
     for row in dict.fromkeys((case.family, case.row) for case in cases):
@@ -284,9 +294,9 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
 
 
 def _generate(settings: EvalSettings, duo: dict | None, kv_cache: str, cases: list[Case],
-              max_model_len: int) -> list[str]:
+              max_model_len: int) -> tuple[list[str], float | None]:
     """Greedy answers of one vLLM engine, built in this process (the engines' child) and deleted afterwards so
-    that the next one has the memory."""
+    that the next one has the memory; with the squeeze, the share of clustered keys its decode selected."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     args = dict(model=settings.model, max_model_len=max_model_len, enforce_eager=True,
@@ -295,13 +305,20 @@ def _generate(settings: EvalSettings, duo: dict | None, kv_cache: str, cases: li
     args["dtype"] = dtype
     if duo is not None:
         args.update(attention_backend="duo", additional_config={"duo": duo})
+    if duo is not None and "squeeze" in duo:
+        args["max_num_seqs"] = duo["squeeze"]["max_contexts"]
     args.update(KV_CACHE_ARGS[kv_cache], **(settings.engine_args or {}))
     llm = LLM(**args)
     try:
         sampling = SamplingParams(max_tokens=settings.max_tokens, temperature=0.0)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=case.prompt) for case in cases], sampling,
                                use_tqdm=False)
-        return [output.outputs[0].text for output in outputs]
+        read_share = None
+        if duo is not None and "squeeze" in duo:
+            from vllm_duo.backend import squeeze_of
+
+            read_share = squeeze_of(llm.llm_engine.vllm_config).read_share()
+        return [output.outputs[0].text for output in outputs], read_share
     finally:
         # Shut the engine core down before dropping it: that undoes vLLM's gc.freeze() of the startup heap; without it
         # every engine's weights and KV cache stay in memory until the process ends.
@@ -383,9 +400,10 @@ def evaluate(settings: EvalSettings, progress: bool = True) -> dict:
         for method, duo, group in bar:
             bar.set_postfix(method=method.name)
             start = time.perf_counter()
-            answers = child.submit(_generate, settings, duo, method.kv_cache, group, max_model_len).result()
+            answers, read_share = child.submit(_generate, settings, duo, method.kv_cache, group,
+                                               max_model_len).result()
             runs_info.append({"method": method.name, "duo": duo, "engine_args": KV_CACHE_ARGS[method.kv_cache],
-                              "cases": len(group),
+                              "cases": len(group), "squeeze_read_share": read_share,
                               "wall_s": round(time.perf_counter() - start, 1)})
             for case, answer in zip(group, answers):
                 records.append({"method": method.name, "family": case.family, "row": case.row,

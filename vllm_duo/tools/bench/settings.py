@@ -11,6 +11,9 @@ from pathlib import Path
 
 from vllm_duo.tools.bench.workloads import BenchError, Variant, Workload
 
+# Squeezed contexts a squeezed run keeps at once: the most requests a decode workload (tpot_sweep) runs at once.
+SQUEEZE_CONTEXTS = 4
+
 
 @dataclass
 class Settings:
@@ -21,6 +24,7 @@ class Settings:
     sparsity: list[float]
     capacity_sparsity: list[float]
     zigzag_sparsity: list[float]
+    squeeze: list[float]
     sink: int
     recent: int
     workloads: list[Workload]
@@ -29,7 +33,7 @@ class Settings:
     out: Path
     timeout: float
     dry_run: bool = False
-    only: str | None = None  # "dense", "duo" or "zigzag": one side of a suite split over calls into one --out
+    only: str | None = None  # "dense", "duo", "zigzag" or "squeeze": one side of a suite split over calls into one --out
     argv: list[str] = field(default_factory=list)
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # each backend runs at each
     env: dict[str, str] = field(default_factory=dict)  # added to the environment of every vLLM engine's process
@@ -38,6 +42,8 @@ class Settings:
         if variant.layer_exclusive:  # the file's stored layer-exclusive mask, not the gates at a sparsity
             return {"pattern": str(self.zigzag_file(variant.sparsity)), "sink": self.sink, "recent": self.recent}
         config = {"sparsity": variant.sparsity, "sink": self.sink, "recent": self.recent}
+        if variant.squeeze:  # a slot per request a workload runs at once, each for its longest prompt
+            config["squeeze"] = {"budget": variant.squeeze, "max_contexts": SQUEEZE_CONTEXTS}
         return {"pattern": self.pattern, **config} if self.pattern else config
 
     def zigzag_file(self, sparsity: float) -> Path:

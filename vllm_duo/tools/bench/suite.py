@@ -11,7 +11,7 @@ from vllm_duo.tools.bench.offline import run_offline
 from vllm_duo.tools.bench.results import Results
 from vllm_duo.tools.bench.served import run_served
 from vllm_duo.tools.bench.settings import Settings
-from vllm_duo.tools.bench.workloads import Variant, Workload, dense, duo, kv_suffix, zigzag
+from vllm_duo.tools.bench.workloads import Variant, Workload, dense, duo, kv_suffix, squeezed, zigzag
 
 # Modules a dense backend needs before it is worth starting a run with it.
 _BACKEND_MODULES = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "vllm.vllm_flash_attn", "TRITON_ATTN": "triton",
@@ -19,8 +19,9 @@ _BACKEND_MODULES = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "vllm.vllm_flash_a
 
 
 def variants_for(settings: Settings, workload: Workload, available_dense: list[str]) -> list[Variant]:
-    """Dense baselines first, then duo and zigzag, each at every --kv-cache-dtype. The workloads that only size the
-    KV cache (capacity, ceiling) run duo at the capacity sparsities, and no zigzag (its KV is duo's)."""
+    """Dense baselines first, then duo, zigzag and duo with the squeeze, each at every --kv-cache-dtype. The
+    workloads that only size the KV cache (capacity, ceiling) run duo at the capacity sparsities, and no zigzag or
+    squeeze (their KV is duo's)."""
     sizes_cache = workload.name == "capacity" or workload.kind == "ceiling"
     sparsities = settings.capacity_sparsity if sizes_cache else settings.sparsity
     kv_dtypes = settings.kv_cache_dtypes
@@ -28,7 +29,10 @@ def variants_for(settings: Settings, workload: Workload, available_dense: list[s
                                                    for name in available_dense for kv in kv_dtypes]
     duos = [duo(s, kv) for s in sparsities for kv in kv_dtypes]
     zigzags = [] if sizes_cache else [zigzag(s, kv) for s in settings.zigzag_sparsity for kv in kv_dtypes]
-    return {"dense": baselines, "duo": duos, "zigzag": zigzags}.get(settings.only, baselines + duos + zigzags)
+    squeezes = [] if sizes_cache else [squeezed(s, b, kv) for s in sparsities for b in settings.squeeze
+                                       for kv in kv_dtypes]
+    return {"dense": baselines, "duo": duos, "zigzag": zigzags, "squeeze": squeezes}.get(
+        settings.only, baselines + duos + zigzags + squeezes)
 
 
 def check_dense_backends(names: list[str]) -> tuple[list[str], dict[str, str]]:

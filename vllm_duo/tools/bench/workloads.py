@@ -237,6 +237,7 @@ class Variant:
     backend: str | None = None  # --attention-backend; None: vLLM's default
     sparsity: float | None = None
     layer_exclusive: bool = False  # duo serving the pattern's ZigzagAttention form at `sparsity`
+    squeeze: float | None = None  # duo with the squeeze at this budget
     kv_cache_dtype: str = "auto"
 
     @property
@@ -265,6 +266,11 @@ def dense(kv_cache_dtype: str = "auto") -> Variant:
 
 def duo(sparsity: float, kv_cache_dtype: str = "auto") -> Variant:
     return Variant(f"duo s={sparsity:g}{kv_suffix(kv_cache_dtype)}", "duo", sparsity, kv_cache_dtype=kv_cache_dtype)
+
+
+def squeezed(sparsity: float, budget: float, kv_cache_dtype: str = "auto") -> Variant:
+    return Variant(f"duo s={sparsity:g} sq={budget:g}{kv_suffix(kv_cache_dtype)}", "duo", sparsity, squeeze=budget,
+                   kv_cache_dtype=kv_cache_dtype)
 
 
 def zigzag(sparsity: float, kv_cache_dtype: str = "auto") -> Variant:
