@@ -264,12 +264,14 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.vllm_config = get_current_vllm_config()  # set while vLLM builds the model
         self.heads: LayerHeads | None = None  # bound at load (bind_duo_layers), with the streaming host
         self.stream_host = None
+        self.contexts: ClusteredContexts | None = None  # and the squeeze's store, where it is on
 
     def bind(self, index: int, layer: LayerPlan, stream_host, reordered: bool, device: torch.device) -> None:
         """This layer's heads as the kernels read them, and the `Attention` layer whose cache holds its page groups
         (None: its own)."""
         serving = serving_plan(self.vllm_config)
         self.layer_index = index
+        self.contexts = _CONTEXTS.get(id(serving))
         retrieval = list(range(len(layer.retrieval))) if reordered else list(layer.retrieval)
         self.heads = LayerHeads.build(retrieval, self.num_kv_heads, self.num_heads, serving.layout.stride,
                                       serving.plan.sink, serving.plan.recent,
@@ -329,19 +331,17 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
                               retrieval_seq_lens=None if squeeze is None else squeeze.flash_seq_lens)
             # a CUDA graph replays what its capture ran, whichever rows then read a context
             if squeeze is not None and (squeeze.step.squeezed or torch.cuda.is_current_stream_capturing()):
-                squeeze_of(self.vllm_config).decode(self.layer_index, q, kv_cache, heads, m.query_start_loc,
-                                                    m.seq_lens, m.block_table, self.scale, out, squeeze, quant)
+                self.contexts.decode(self.layer_index, q, kv_cache, heads, m.query_start_loc, m.seq_lens,
+                                     m.block_table, self.scale, out, squeeze, quant)
         else:
             quant = self._quant(layer, on_host=True)
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,
                           self.scale, out, stream_cache=stream_cache, quant=quant)
             if squeeze is not None and squeeze.step.squeezed:
-                squeeze_of(self.vllm_config).decode_reference(self.layer_index, q, kv_cache, heads,
-                                                              m.query_start_loc_host, m.seq_lens_host, m.block_table,
-                                                              self.scale, out, squeeze.step, quant)
+                self.contexts.decode_reference(self.layer_index, q, kv_cache, heads, m.query_start_loc_host,
+                                               m.seq_lens_host, m.block_table, self.scale, out, squeeze.step, quant)
         for row, slot, prompt_len in [] if squeeze is None else squeeze.step.builds:  # their keys are written now
-            squeeze_of(self.vllm_config).build(self.layer_index, slot, kv_cache, heads, m.block_table[row],
-                                               prompt_len, quant)
+            self.contexts.build(self.layer_index, slot, kv_cache, heads, m.block_table[row], prompt_len, quant)
         return output
 
 
