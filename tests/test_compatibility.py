@@ -127,8 +127,7 @@ SQUEEZE = {"duo": {**DUO["duo"], "squeeze": {"budget": 0.25}}}
 
 
 @pytest.mark.parametrize("attributes, expected", [
-    (dict(parallel_config=dict(tensor_parallel_size=2)), r"^duo.squeeze with --tensor-parallel-size > 1: .* out$"),
-    (dict(use_v2_model_runner=True), r"^duo.squeeze with vLLM's V2 model runner: .* VLLM_USE_V2_MODEL_RUNNER=0")])
+    (dict(parallel_config=dict(tensor_parallel_size=2)), r"^duo.squeeze with --tensor-parallel-size > 1: .* out$")])
 def test_the_squeeze_is_refused_where_it_cannot_run(attributes, expected, fp8_config):
     parts = {name: Overridden(getattr(fp8_config, name), **value) if isinstance(value, dict) else value
              for name, value in attributes.items()}

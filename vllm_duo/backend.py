@@ -165,6 +165,8 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
     # 7 builds and 7 table copies per step, ~0.3 ms of host time before every decode step's graph replay). The
     # batch's sizes are compared too, in case a vLLM version reused one object across steps.
     _last_build: tuple[CommonAttentionMetadata, tuple[int, ...], DuoAttentionMetadata] | None = None
+    # The squeeze's plan of the step's rows (vllm_seam.StepRows, one object per step), for every group's build.
+    _last_plan: tuple[object, SqueezeStep] | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -231,9 +233,13 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         if rows is None or len(rows.req_ids) > num_reqs:
             step = SqueezeStep([-1] * num_reqs, [0] * num_reqs, [0] * num_reqs, [])
         else:
-            starts = cam.query_start_loc_cpu[: len(rows.req_ids) + 1]
-            step = self.contexts.plan(rows.req_ids, rows.prompt_lens, rows.computed, (starts[1:] - starts[:-1]).tolist(),
-                                      rows.live)
+            planned = DuoAttentionMetadataBuilder._last_plan
+            if planned is None or planned[0] is not rows:  # the step's first group: plan once for all
+                starts = cam.query_start_loc_cpu[: len(rows.req_ids) + 1]
+                plan = self.contexts.plan(rows.req_ids, rows.prompt_lens, rows.computed,
+                                          (starts[1:] - starts[:-1]).tolist(), rows.live)
+                planned = DuoAttentionMetadataBuilder._last_plan = (rows, plan)
+            step = planned[1]
             pad = num_reqs - len(rows.req_ids)
             step = SqueezeStep(step.context_ids + [-1] * pad, step.context_ends + [0] * pad, step.budget + [0] * pad,
                                step.builds)
@@ -359,8 +365,7 @@ def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torc
     settings = DuoSettings.from_additional_config(vllm_config.additional_config).squeeze
     if settings is None:
         return
-    vllm_seam.require("step_rows")
-    vllm_seam.touch("step_rows").apply()
+    vllm_seam.record_step_rows()
     longest = min(settings.max_context_len, vllm_config.model_config.max_model_len - serving.plan.sink)
     settings = settings.model_copy(update={"max_context_len": max(1, longest)})
     retrieval = [len(layer.retrieval) for layer in serving.layers]

@@ -9,7 +9,7 @@ names the setting and what to use instead, in one line. Supported and why:
   maps), chunked prefill, CUDA graphs, data parallelism.
 * cascade attention: duo declines it (`use_cascade_attention` is False), so vLLM never plans it.
 * prefix caching (vLLM's default): pages and streaming page groups are hashed and shared (kv_cache.py).
-* `duo.squeeze` (squeeze.py) on one GPU, with vLLM's V1 model runner (it learns each row's request there).
+* `duo.squeeze` (squeeze.py) on one GPU.
 """
 
 from __future__ import annotations
@@ -126,9 +126,6 @@ def _squeeze(config) -> str | None:
     if config.parallel_config.tensor_parallel_size > 1:
         return ("duo.squeeze with --tensor-parallel-size > 1: the squeeze has not been validated across ranks; serve "
                 "it on one GPU, or leave duo.squeeze out")
-    if getattr(config, "use_v2_model_runner", False):
-        return ("duo.squeeze with vLLM's V2 model runner: the squeeze learns each batch row's request from the V1 "
-                "runner; set VLLM_USE_V2_MODEL_RUNNER=0, or leave duo.squeeze out")
     return None
 
 

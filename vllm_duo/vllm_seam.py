@@ -28,6 +28,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | inproc_engine_core | all | capacity.py reads an in-process `LLM`'s EngineCore (`llm_engine.engine_core.engine_core`), its scheduler's `kv_cache_config` and block pool (checked where used) |
 | prefix_cache_lookups | 0.26-0.32 | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used; 0.33 passes `max_cache_hit_length` to the lookup and moved `get_kv_cache_configs` to kv_cache_planning with a fourth argument, so cache_sim stops there) |
 | step_rows | all | applied by the load step where the squeeze is on: the V1 model runner's `_build_attention_metadata` records, for a scheduled step (it is passed `num_scheduled_tokens`), its input batch's `req_ids`, `num_prompt_tokens`, `num_computed_tokens_cpu` and the runner's live `requests`: the squeeze (squeeze.py) plans which rows read a clustered context from them |
+| step_rows_v2 | all | the same from the V2 model runner: its `prepare_inputs`' batch (`req_ids`, `idx_mapping_np`, `num_computed_tokens_np`) with its request states' `prompt_len` and `req_id_to_index`, cleared when `execute_model` returns |
 | bench_throughput_requests | all | `python -m vllm_duo.tools.bench --pretokenized` wraps `vllm.benchmarks.throughput.get_requests`: text prompts go as token ids (checked where used) |
 """
 
@@ -104,6 +105,12 @@ def _expect_params(function, expected: list[str], label: str) -> str | None:
 def _missing(owner, names: list[str], label: str) -> str | None:
     missing = [name for name in names if not hasattr(owner, name)]
     return f"{label} has no {', '.join(missing)}" if missing else None
+
+
+def _missing_fields(dataclass_type, names: list[str], label: str) -> str | None:
+    fields = getattr(dataclass_type, "__dataclass_fields__", {})
+    missing = [name for name in names if name not in fields]
+    return f"{label} has no field {', '.join(missing)}" if missing else None
 
 
 def _source_mentions(obj, names: list[str], label: str) -> str | None:
@@ -713,8 +720,55 @@ def _record_step_rows() -> None:
     runner._build_attention_metadata = _build_attention_metadata
 
 
+def _check_step_rows_v2() -> str | None:
+    runner = _v2_runner()
+    if runner is None or getattr(runner.prepare_inputs, "_duo_records", False):
+        return None
+    from vllm.v1.worker.gpu import input_batch, states
+
+    return (_expect_params(runner.prepare_inputs, ["scheduler_output", "batch_desc"], "V2 GPUModelRunner.prepare_inputs")
+            or _missing(runner, ["execute_model"], "V2 GPUModelRunner")
+            or _missing_fields(input_batch.InputBatch, ["req_ids", "num_reqs", "idx_mapping_np",
+                                                        "num_computed_tokens_np"], "V2 InputBatch")
+            or _source_mentions(states.RequestState, ["self.req_id_to_index", "self.prompt_len"], "V2 RequestState"))
+
+
+def _record_step_rows_v2() -> None:
+    runner = _v2_runner()
+    if runner is None or getattr(runner.prepare_inputs, "_duo_records", False):
+        return
+    prepare, execute = runner.prepare_inputs, runner.execute_model
+
+    @functools.wraps(prepare)
+    def prepare_inputs(self, scheduler_output, batch_desc):
+        batch = prepare(self, scheduler_output, batch_desc)
+        n = batch.num_reqs
+        states = self.req_states
+        _STEP_ROWS[0] = StepRows(list(batch.req_ids[:n]), states.prompt_len.np[batch.idx_mapping_np[:n]].tolist(),
+                                 batch.num_computed_tokens_np[:n].tolist(), states.req_id_to_index)
+        return batch
+
+    @functools.wraps(execute)
+    def execute_model(self, *args, **kwargs):
+        try:
+            return execute(self, *args, **kwargs)
+        finally:  # a later dummy run must not see this step's rows
+            _STEP_ROWS[0] = None
+
+    prepare_inputs._duo_records = True
+    runner.prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+
+
+def record_step_rows() -> None:
+    """Apply step_rows and step_rows_v2 (idempotent; checked first): the squeeze's load step."""
+    for name in ("step_rows", "step_rows_v2"):
+        require(name)
+        BY_NAME[name].apply()
+
+
 def step_rows() -> StepRows | None:
-    """The rows of the step whose attention metadata vLLM is building (None outside a scheduled step's build)."""
+    """The rows of the step whose attention metadata vLLM is building (None outside a scheduled step: warm-up,
+    profiling, CUDA graph capture). One object per step: the metadata builders of a step's groups plan from it once."""
     return _STEP_ROWS[0]
 
 
@@ -739,6 +793,7 @@ TOUCHES = [
     Touch("prefix_cache_lookups", None, "0.32", _check_prefix_cache_lookups),
     Touch("bench_throughput_requests", None, None, _check_throughput_requests),
     Touch("step_rows", None, None, _check_step_rows, _record_step_rows),
+    Touch("step_rows_v2", None, None, _check_step_rows_v2, _record_step_rows_v2),
 ]
 BY_NAME = {touch.name: touch for touch in TOUCHES}
 
@@ -769,7 +824,7 @@ def add_backend_member() -> None:
 CHECKED_AT_IMPORT = {"backend_interface", "manager_interface"}
 # Checked where duo's tools use them, not at vLLM startup (serving does not).
 CHECKED_WHERE_USED = {"kv_cache_layout_resolution", "inproc_engine_core", "prefix_cache_lookups",
-                      "bench_throughput_requests", "step_rows"}
+                      "bench_throughput_requests", "step_rows", "step_rows_v2"}
 
 
 def install() -> None:
