@@ -211,10 +211,20 @@ json.dump(c, open(p, 'w'), indent=1)"
         INSTALLED=1 DEADLINE=$((DEADLINE - SECONDS)) EVAL_NAME=squeeze-${methods// /-} \
           EVAL_ARGS="--methods $methods --seed ${SEED:-1} --engine-args $EVAL_ENGINE" bash benchmarks/gpu_run.sh eval > $WORK/squeeze-eval-${methods// /-}.out 2>&1 &
       done; wait; tail -n 12 $WORK/squeeze-eval-*.out ;;
+    # issue 33's served decode step profiled (the squeeze ran 5.7x slower than duo at 4 x 128k, kernels say 2x faster):
+    # duo, duo with the squeeze at 1/16 with CUDA graphs and eager, 4 x 32k fp8 decode (PROFILE_ARGS to change)
+    squeeze_profile)
+      for variant in "duo:" "squeeze:--squeeze 0.0625" "squeeze_eager:--squeeze 0.0625 --enforce-eager"; do
+        tag=${variant%%:*}
+        timeout 200 python3 benchmarks/profile_steps.py --backend duo --model /tmp/llama8b --tokenizer /tmp/smol \
+          --load-format dummy --kv-cache-dtype fp8 --batch 4 --context 32768 --burst 0 ${variant#*:} \
+          ${PROFILE_ARGS:-} --out "$OUT/profile_$tag.json" > "$OUT/profile_$tag.log" 2>&1
+        grep -A30 "^== " "$OUT/profile_$tag.log" | cut -c1-150
+      done ;;
     # issue 33's speed: decode of 4 requests of 128k tokens at once (tpot_sweep's median inter-token latency), fp8 KV,
     # ONLY=dense|duo|squeeze (duo with the squeeze at budgets 1/16 and 1/4), all into one folder
-    squeeze_tpot) bench squeeze-tpot --workloads tpot_sweep --set tpot_sweep.input_lens=131072 \
-        --max-model-len tpot_sweep=132000 --kv-cache-dtype fp8 --squeeze 0.0625 0.25 --only ${ONLY:?set ONLY} ;;
+    squeeze_tpot) bench squeeze-tpot --workloads tpot_sweep --set tpot_sweep.input_lens=130816 \
+        --max-model-len tpot_sweep=131072 --kv-cache-dtype fp8 --squeeze ${SQUEEZE:-0.0625 0.25} --only ${ONLY:?set ONLY} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--pattern", default="Meta-Llama-3.1-8B-Instruct")
     p.add_argument("--sparsity", type=float, default=0.5)
+    p.add_argument("--squeeze", type=float, metavar="BUDGET",
+                   help="duo with the squeeze (issue 33) at this budget: every document is clustered at its prefill")
     p.add_argument("--batch", type=int, default=16, help="B: requests at once")
     p.add_argument("--context", type=int, default=16000, help="C: tokens of each request's document")
     p.add_argument("--new-tokens", type=int, default=384, help="N: tokens the arriving request prefills past its hit")
@@ -60,8 +62,10 @@ def build_engine(args):
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.context + 1024,
                   enable_prefix_caching=True, enforce_eager=args.enforce_eager, seed=0)
     if args.backend == "duo":
-        engine.update(attention_backend="duo", additional_config={"duo": {"pattern": args.pattern,
-                                                                          "sparsity": args.sparsity}})
+        duo = {"pattern": args.pattern, "sparsity": args.sparsity}
+        if args.squeeze:
+            duo["squeeze"] = {"budget": args.squeeze, "min_context_len": 1024, "max_contexts": args.batch + 1}
+        engine.update(attention_backend="duo", additional_config={"duo": duo})
     return LLM(**engine)
 
 

@@ -57,13 +57,14 @@ def test_small_budget_changes_only_the_squeezed_prompt_and_frees_its_slot(smollm
         from vllm_duo import backend
 
         contexts = backend.squeeze_of(llm.llm_engine.vllm_config)
+        assert 0.02 < contexts.read_share() < 0.2  # keys read beyond sinks and window, at a budget of 0.1
         assert sum(owner is not None for owner in contexts.owner) == 1  # not freed before a later step
         greedy_with_logprobs(llm, prompts[:1], 2)
         assert contexts.owner == [None]
 
     one_step = dict(max_num_batched_tokens=2048)
     expected = run(smollm2_dir, prompts[:3], dict(DUO, pattern=pattern), **one_step)
-    duo = dict(DUO, pattern=pattern, squeeze=dict(SQUEEZE, max_contexts=1, budget=0.1))
+    duo = dict(DUO, pattern=pattern, squeeze=dict(SQUEEZE, max_contexts=1, budget=0.1, count_reads=True))
     squeezed = run(smollm2_dir, prompts[:3], duo, slot_freed, **one_step)
     changed = [got != want for got, want in zip(squeezed["GAPS"], expected["GAPS"])]
     assert changed in ([False, True, False], [False, False, True]), changed

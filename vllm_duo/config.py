@@ -41,6 +41,7 @@ class SqueezeSettings(BaseModel):
     max_contexts: int = Field(default=4, ge=1)
     min_context_len: int = Field(default=4096, ge=1)
     max_context_len: int = Field(default=131072, ge=1)
+    count_reads: bool = False  # count the keys decode reads beyond sinks and window (`ClusteredContexts.read_share`)
 
     def num_clusters(self, num_keys: int) -> int:
         return max(1, math.ceil(num_keys / self.keys_per_cluster))

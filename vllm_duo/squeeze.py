@@ -100,8 +100,8 @@ class ClusteredContexts:
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.prompt_len = [0] * slots
         self.owner: list[str | None] = [None] * slots  # the request each slot serves
-        # over every squeezed decode row and retrieval head so far: keys selected (at most read: those in the window
-        # are read once, as window), keys clustered
+        # with `count_reads`, over every squeezed decode row and retrieval head so far: keys read beyond the sinks and
+        # the window, keys there
         self.reads = torch.zeros(2, dtype=torch.int64, device=device)
 
     @staticmethod
@@ -189,7 +189,7 @@ class ClusteredContexts:
                                        self.settings.max_selected())
         sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, selected,
                                 counts, quant=quant, checked=True, context_ends=rows.context_ends)
-        self._count(counts, rows.context_ends, heads.num_retrieval)
+        self._count(selected, counts, seq_lens, rows.context_ends, heads)
 
     def decode_reference(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                          query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor, scale: float,
@@ -204,17 +204,28 @@ class ClusteredContexts:
                                                           self.settings.max_selected(), step.context_ids)
         sparse_reference.sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale,
                                                  output, selected, counts, quant, context_ends=step.context_ends)
-        self._count(counts, torch.tensor(step.context_ends), heads.num_retrieval)
+        self._count(selected, counts, torch.tensor(seq_lens), torch.tensor(step.context_ends), heads)
 
-    def _count(self, counts: torch.Tensor, context_ends: torch.Tensor, num_retrieval: int) -> None:
-        """Add a layer's squeezed rows to `reads` (on the device, no sync: a CUDA graph replays the sums too)."""
-        self.reads[0] += counts.sum()
-        self.reads[1] += (context_ends.to(self.reads.device) - self.sink).clamp(min=0).sum() * num_retrieval
+    def _count(self, selected: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tensor, context_ends: torch.Tensor,
+               heads: LayerHeads) -> None:
+        """With `count_reads`, add a layer's squeezed rows to `reads`: the selected positions between the sinks and
+        the window (what the sparse decode reads beyond them), and the positions there. On the device, no sync: a
+        CUDA graph replays the sums too."""
+        if not self.settings.count_reads:
+            return
+        device = self.reads.device
+        ends = context_ends.to(device)
+        window = torch.minimum(seq_lens.to(device) - heads.recent, ends).clamp(min=self.sink)  # [num_reqs]
+        slot = torch.arange(selected.shape[-1], device=device)
+        beyond = (selected >= self.sink) & (selected < window[:, None, None]) & (slot < counts[..., None])
+        self.reads[0] += beyond.sum()
+        self.reads[1] += ((window - self.sink) * (ends > 0)).sum() * heads.num_retrieval
 
     def read_share(self) -> float | None:
-        """Keys selected / keys clustered over the squeezed decode so far (None before any)."""
-        selected, clustered = self.reads.tolist()
-        return selected / clustered if clustered else None
+        """With `count_reads`: keys read beyond the sinks and window / keys there, over the squeezed decode so far
+        (None before any, or without `count_reads`)."""
+        read, there = self.reads.tolist()
+        return read / there if there else None
 
     def select(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                context_ids: torch.Tensor, budget: torch.Tensor, scale: float,

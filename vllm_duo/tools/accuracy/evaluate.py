@@ -55,7 +55,7 @@ ENGINE_LOG = "engines.log"  # vLLM's output, in the results folder
 _METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc)?(?:-sq(\d{1,3}))?(?:-r(\d{1,6}))?$")
 # A squeezed method's engine (`duoXX-sqNN`): every prompt of the grid squeezed (the shortest are ~0.5k tokens), one
 # slot per running request.
-SQUEEZE_ENGINE = {"min_context_len": 256, "max_contexts": 64}
+SQUEEZE_ENGINE = {"min_context_len": 256, "max_contexts": 64, "count_reads": True}
 # What a method's KV cache suffix asks of vLLM: e4m3 with scales 1.0 (a checkpoint without scales), or with scales
 # vLLM computes from the first batch (--calculate-kv-scales; vLLM 0.26-0.27).
 KV_CACHE_ARGS = {"": {}, "-fp8": {"kv_cache_dtype": "fp8"},
@@ -296,7 +296,8 @@ def _engine_runs(settings: EvalSettings, method: Method, num_heads: int, pattern
 def _generate(settings: EvalSettings, duo: dict | None, kv_cache: str, cases: list[Case],
               max_model_len: int) -> tuple[list[str], float | None]:
     """Greedy answers of one vLLM engine, built in this process (the engines' child) and deleted afterwards so
-    that the next one has the memory; with the squeeze, the share of clustered keys its decode selected."""
+    that the next one has the memory; with the squeeze, the share of the keys beyond sinks and window its decode
+    read."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     args = dict(model=settings.model, max_model_len=max_model_len, enforce_eager=True,
