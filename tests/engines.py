@@ -46,6 +46,14 @@ def text_of_tokens(tokenizer, num_tokens: int, seed: int) -> list[int]:
     return ids[: max(num_tokens - len(question), 0)] + question
 
 
+def prompts_of(model_dir: str, lengths) -> list[list[int]]:
+    """`text_of_tokens` prompts of each length (seeded by it), in the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [text_of_tokens(tokenizer, n, seed=n) for n in lengths]
+
+
 def random_pattern(path, num_layers=30, num_kv_heads=3, head_dim=64, seed=0, sink=64, recent=256) -> str:
     """A random-gate stand-in pattern for SmolLM2 (the tests must not depend on a trained one)."""
     gates = np.random.default_rng(seed).uniform(0, 1, (num_layers, num_kv_heads)).round(6)

@@ -4,7 +4,7 @@
 
 import pytest
 
-from engines import greedy, make_llm, random_pattern, release, text_of_tokens
+from engines import greedy, make_llm, prompts_of, random_pattern, release
 
 PROMPT_LENGTHS = [7, 33, 120, 250, 511, 700, 1100, 1500]
 MAX_TOKENS = 24
@@ -13,10 +13,7 @@ CHUNK = 96  # small prefill chunks: long prompts take many scheduler steps
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    return [text_of_tokens(tokenizer, n, seed=n) for n in PROMPT_LENGTHS]
+    return prompts_of(smollm2_dir, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from engines import (assert_same_greedy, calculated_scales, greedy_with_logprobs, make_llm, prompt_logprob_gap,
-                     random_pattern, release, text_of_tokens)
+                     prompts_of, random_pattern, release)
 
 PROMPT_LENGTHS = [120, 700, 1500]  # under and well over sink + recent = 320
 MAX_TOKENS = 16
@@ -27,10 +27,7 @@ DUO50 = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 64, "recen
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    return [text_of_tokens(tokenizer, n, seed=n) for n in PROMPT_LENGTHS]
+    return prompts_of(smollm2_dir, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ a slot is freed when its request is gone."""
 
 import pytest
 
-from engines import assert_same_greedy, greedy_with_logprobs, make_llm, random_pattern, release, text_of_tokens
+from engines import assert_same_greedy, greedy_with_logprobs, make_llm, prompts_of, random_pattern, release
 
 PROMPT_LENGTHS = [120, 400, 900, 1300, 1700]  # the first is below min_context_len
 MAX_TOKENS = 16
@@ -17,10 +17,7 @@ SQUEEZE = {"min_context_len": 300, "max_contexts": 2, "keys_per_cluster": 8}
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    return [text_of_tokens(tokenizer, n, seed=n) for n in PROMPT_LENGTHS]
+    return prompts_of(smollm2_dir, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ engines here run `--tensor-parallel-size 3` with vLLM's multiprocessing executor
 import numpy as np
 import pytest
 
-from engines import make_llm, random_pattern, release, text_of_tokens
+from engines import make_llm, prompts_of, random_pattern, release
 from vllm_duo.config import DuoPlan, ModelShape, rank_kv_heads
 from vllm_duo.pattern import PatternError
 
@@ -99,10 +99,7 @@ def run(model, prompts, duo, tp_size):
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    return [text_of_tokens(tokenizer, n, seed=n) for n in PROMPT_LENGTHS]
+    return prompts_of(smollm2_dir, PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,9 @@ class SqueezeSettings(BaseModel):
     def summary(self, sink: int, slot_bytes: int) -> str:
         return (f"duo squeeze: retrieval heads of prompts of {self.min_context_len} to {self.max_context_len + sink} "
                 f"tokens read {self.budget:g} of their clustered keys at decode ({self.keys_per_cluster} keys per "
-                f"cluster, {self.iters} Lloyd iterations from {self.init} seeds), plus sinks and window; {self.max_contexts} contexts at once, "
-                f"{slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside the KV cache")
+                f"cluster, {self.iters} Lloyd iterations from {self.init} seeds), plus sinks and window; "
+                f"{self.max_contexts} contexts at once, {slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside "
+                "the KV cache")
 
 
 class DuoSettings(BaseModel):

@@ -726,7 +726,8 @@ def _check_step_rows_v2() -> str | None:
         return None
     from vllm.v1.worker.gpu import input_batch, states
 
-    return (_expect_params(runner.prepare_inputs, ["scheduler_output", "batch_desc"], "V2 GPUModelRunner.prepare_inputs")
+    return (_expect_params(runner.prepare_inputs, ["scheduler_output", "batch_desc"],
+                           "V2 GPUModelRunner.prepare_inputs")
             or _missing(runner, ["execute_model"], "V2 GPUModelRunner")
             or _missing_fields(input_batch.InputBatch, ["req_ids", "num_reqs", "idx_mapping_np",
                                                         "num_computed_tokens_np"], "V2 InputBatch")
