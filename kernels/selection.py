@@ -208,7 +208,8 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None, num_warps=4)
     _centroid_scores_kernel[(num_reqs, R, tiles)](
-        logits, part_m, part_l, scores, scores if context_ids is None else context_ids, C, tiles, *logits.stride()[:3], *part_m.stride()[:3], *scores.stride()[:2],
+        logits, part_m, part_l, scores, scores if context_ids is None else context_ids, C, tiles,
+        *logits.stride()[:3], *part_m.stride()[:3], *scores.stride()[:2],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles),
         CONTEXTS=context_ids is not None, num_warps=4)
     return scores

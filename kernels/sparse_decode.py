@@ -62,8 +62,9 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
                           CONTEXT_ENDS: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS): split `pid % MAX_SPLITS` of retrieval head `pid // MAX_SPLITS`'s key list.
 
-    Requests whose query length is not 1 or whose context end is 0 exit at once, and so do splits past the list. A selected position in
-    the sinks or the window, or past the context, is skipped (those keys are read once, as sinks or window).
+    Requests whose query length is not 1 or whose context end is 0 exit at once, and so do splits past the list. A
+    selected position in the sinks or the window, or past the context, is skipped (those keys are read once, as
+    sinks or window).
     With MAX_SPLITS > 1 the results go to part_out/part_lse for the merge. An FP8 cache holds K/V divided by
     the layer's scales: the scores take the k scale, each output the v scale.
     """

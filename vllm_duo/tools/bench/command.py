@@ -69,7 +69,8 @@ def command(args: argparse.Namespace) -> str:
     out = Path(args.out) if args.out else default_out(device_name())
     settings = Settings(model=model, tokenizer=args.tokenizer, load_format=args.load_format, pattern=args.pattern,
                         sparsity=args.sparsity, capacity_sparsity=args.capacity_sparsity or args.sparsity,
-                        zigzag_sparsity=args.zigzag_sparsity, squeeze=args.squeeze, sink=args.sink, recent=args.recent, workloads=workloads,
+                        zigzag_sparsity=args.zigzag_sparsity, squeeze=args.squeeze, sink=args.sink, recent=args.recent,
+                        workloads=workloads,
                         extra_dense_backends=args.extra_dense_backends, engine_args=shlex.split(args.engine_args or ""),
                         out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only,
                         kv_cache_dtypes=list(dict.fromkeys(args.kv_cache_dtype)),

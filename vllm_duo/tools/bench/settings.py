@@ -33,7 +33,7 @@ class Settings:
     out: Path
     timeout: float
     dry_run: bool = False
-    only: str | None = None  # "dense", "duo", "zigzag" or "squeeze": one side of a suite split over calls into one --out
+    only: str | None = None  # "dense", "duo", "zigzag" or "squeeze": one side of a suite split over calls into one out
     argv: list[str] = field(default_factory=list)
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # each backend runs at each
     env: dict[str, str] = field(default_factory=dict)  # added to the environment of every vLLM engine's process
