@@ -218,6 +218,24 @@ def test_only_runs_one_part_of_the_suite(tmp_path, capsys, only, dense_runs, duo
     assert not (tmp_path / "dry").exists()
 
 
+def test_squeeze_runs_duo_with_the_squeeze_at_each_budget(tmp_path, capsys):
+    """`--squeeze 0.0625 0.25`: duo with duo.squeeze at each budget after plain duo, not in the capacity workload;
+    `--only squeeze` keeps those runs alone."""
+    args = ["bench", "--model", "/models/llama8b", "--workloads", "tpot_64k", "capacity", "--sparsity", "0.5",
+            "--pattern", "Meta-Llama-3.1-8B-Instruct", "--squeeze", "0.0625", "0.25", "--out", str(tmp_path / "dry"),
+            "--dry-run"]
+    assert cli.main(args) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    squeezed = [c for c in commands if '"squeeze"' in c]  # tpot_64k: a latency and a prefill run each
+    assert len(squeezed) == 4 and all("tpot_64k__duo-s-0.5-sq-" in c for c in squeezed)
+    assert [sum(f'"budget": {b}' in c for c in squeezed) for b in ("0.0625", "0.25")] == [2, 2]
+    assert cli.main([*args, "--only", "squeeze"]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")] == squeezed
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([*args[:-3], "--squeeze", "0", "--out", str(tmp_path / "dry"), "--dry-run"])
+    assert stopped.value.code == 2
+
+
 def test_zigzag_patterns_are_written_layer_exclusive(tmp_path):
     settings = Settings(model="/models/llama8b", tokenizer=None, load_format="dummy",
                               pattern="Meta-Llama-3.1-8B-Instruct", sparsity=[0.5], capacity_sparsity=[0.5],

@@ -726,8 +726,9 @@ def _check_step_rows_v2() -> str | None:
         return None
     from vllm.v1.worker.gpu import input_batch, states
 
-    return (_expect_params(runner.prepare_inputs, ["scheduler_output", "batch_desc"],
-                           "V2 GPUModelRunner.prepare_inputs")
+    params = _params(runner.prepare_inputs)
+    return ((None if params[:1] == ["scheduler_output"] else
+             f"V2 GPUModelRunner.prepare_inputs takes ({', '.join(params)}), duo expects (scheduler_output, ...)")
             or _missing(runner, ["execute_model"], "V2 GPUModelRunner")
             or _missing_fields(input_batch.InputBatch, ["req_ids", "num_reqs", "idx_mapping_np",
                                                         "num_computed_tokens_np"], "V2 InputBatch")
@@ -741,8 +742,8 @@ def _record_step_rows_v2() -> None:
     prepare, execute = runner.prepare_inputs, runner.execute_model
 
     @functools.wraps(prepare)
-    def prepare_inputs(self, scheduler_output, batch_desc):
-        batch = prepare(self, scheduler_output, batch_desc)
+    def prepare_inputs(self, *args, **kwargs):  # (scheduler_output, batch_desc) to 0.2x, more arguments by 0.32
+        batch = prepare(self, *args, **kwargs)
         n = batch.num_reqs
         states = self.req_states
         _STEP_ROWS[0] = StepRows(list(batch.req_ids[:n]), states.prompt_len.np[batch.idx_mapping_np[:n]].tolist(),

@@ -24,7 +24,6 @@ class Settings:
     sparsity: list[float]
     capacity_sparsity: list[float]
     zigzag_sparsity: list[float]
-    squeeze: list[float]
     sink: int
     recent: int
     workloads: list[Workload]
@@ -36,6 +35,7 @@ class Settings:
     only: str | None = None  # "dense", "duo", "zigzag" or "squeeze": one side of a suite split over calls into one out
     argv: list[str] = field(default_factory=list)
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # each backend runs at each
+    squeeze: list[float] = field(default_factory=list)  # budgets of duo with the squeeze, at each sparsity
     env: dict[str, str] = field(default_factory=dict)  # added to the environment of every vLLM engine's process
 
     def duo_config(self, variant: Variant) -> dict:
