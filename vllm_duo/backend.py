@@ -244,9 +244,9 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             step = SqueezeStep(step.context_ids + [-1] * pad, step.context_ends + [0] * pad, step.budget + [0] * pad,
                                step.builds)
         buffer = self.squeeze_rows[:, :num_reqs]
-        plan = torch.tensor([step.context_ids, step.context_ends, step.budget], dtype=torch.int32)
+        rows_host = torch.tensor([step.context_ids, step.context_ends, step.budget], dtype=torch.int32)
         # from pinned memory: a copy from pageable memory would wait for the GPU to finish the step before
-        buffer[:3].copy_(plan.pin_memory() if buffer.is_cuda else plan, non_blocking=True)
+        buffer[:3].copy_(rows_host.pin_memory() if buffer.is_cuda else rows_host, non_blocking=True)
         buffer[3].copy_(cam.seq_lens[:num_reqs])
         buffer[3].masked_fill_(buffer[1] > 0, 1)
         return SqueezeRows(step, *buffer)

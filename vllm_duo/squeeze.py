@@ -162,7 +162,7 @@ class ClusteredContexts:
             elif new == 1 and before >= prompt_len and self.prompt_len[slot] == prompt_len:  # built, decoding
                 step.context_ids[row] = slot
                 step.context_ends[row] = prompt_len
-                step.budget[row] = math.ceil(settings.budget * self.clustered(slot))
+                step.budget[row] = self.budget_of(slot)
         return step
 
     def clustered(self, slot: int) -> int:
@@ -174,10 +174,13 @@ class ClusteredContexts:
         `sparse_decode_attention`'s `context_ends`."""
         return torch.tensor([self.prompt_len[s] for s in slots], dtype=torch.int32, device=self.device)
 
+    def budget_of(self, slot: int) -> int:
+        """The keys each retrieval head selects from the slot's context: `budget` of its clustered positions."""
+        return math.ceil(self.settings.budget * self.clustered(slot))
+
     def budget_keys(self, slots: list[int]) -> torch.Tensor:
-        """`[num_reqs]` int32: keys each retrieval head of a request reads beyond the sinks and window."""
-        keys = [math.ceil(self.settings.budget * self.clustered(s)) for s in slots]
-        return torch.tensor(keys, dtype=torch.int32, device=self.device)
+        """`[num_reqs]` int32: `budget_of` each request's slot."""
+        return torch.tensor([self.budget_of(s) for s in slots], dtype=torch.int32, device=self.device)
 
     def decode(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
