@@ -153,7 +153,7 @@ def test_plan_gives_slots_where_prefills_end_and_frees_them():
     finding no free slot are left to duo, and a request gone from the worker frees its slot."""
     settings = SqueezeSettings(max_contexts=2, min_context_len=100, max_context_len=1000, keys_per_cluster=16,
                                budget=0.5)
-    contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings)
+    contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings, max_rows=4)
     live = {"a", "b", "c", "short", "long"}
     # a: prefill [0, 96) of 200; b: prefill ends (last chunk); short: a 50-token prompt ends; long: past the slots
     step = contexts.plan(["a", "b", "short", "long"], [200, 300, 50, 2000], [0, 250, 0, 0], [96, 50, 50, 96], live)
@@ -164,6 +164,9 @@ def test_plan_gives_slots_where_prefills_end_and_frees_them():
     assert step.builds == [(0, 1, 200)]
     assert step.context_ids == [-1, 0, -1] and step.context_ends == [0, 300, 0]
     assert step.budget == [0, math.ceil(0.5 * (300 - 4)), 0]
+    staged = contexts.stage(step, torch.tensor([200, 301, 400], dtype=torch.int32))  # the kernels' rows
+    assert staged.context_ids.tolist() == [-1, 0, -1] and staged.context_ends.tolist() == [0, 300, 0]
+    assert staged.budget.tolist() == step.budget and staged.flash_seq_lens.tolist() == [200, 1, 400]
     # a's first decode step: its slot is not built yet (no layer ran), so it reads none; then b is gone
     step = contexts.plan(["a"], [200], [200], [1], live - {"b"})
     assert step.context_ids == [-1] and contexts.owner == [None, "a"] and contexts.clustered(0) == 0

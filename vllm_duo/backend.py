@@ -165,8 +165,9 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
     # 7 builds and 7 table copies per step, ~0.3 ms of host time before every decode step's graph replay). The
     # batch's sizes are compared too, in case a vLLM version reused one object across steps.
     _last_build: tuple[CommonAttentionMetadata, tuple[int, ...], DuoAttentionMetadata] | None = None
-    # The squeeze's plan of the step's rows (vllm_seam.StepRows, one object per step), for every group's build.
-    _last_plan: tuple[object, SqueezeStep] | None = None
+    # The squeeze's plan of the step's rows (vllm_seam.StepRows, one object per step), staged once for every group's
+    # build (vLLM's V2 runner builds each group's metadata from a CommonAttentionMetadata of its own).
+    _last_plan: tuple[object, SqueezeRows] | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -175,15 +176,9 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         self.stride = serving_plan(vllm_config).layout.stride
         self.retrieval_table = None
         if device.type == "cuda" and self.stride > 1:
-            rows = max(vllm_config.scheduler_config.max_num_seqs,
-                       vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-            self.retrieval_table = torch.zeros(rows, cdiv(self.max_model_len, block_size), dtype=torch.int32,
-                                               device=device)
+            self.retrieval_table = torch.zeros(max_batch_rows(vllm_config), cdiv(self.max_model_len, block_size),
+                                               dtype=torch.int32, device=device)
         self.contexts = _CONTEXTS.get(id(serving_plan(vllm_config)))
-        if self.contexts is not None:  # context ids, context ends, budgets and FlashAttention's seq_lens, per row
-            rows = max(vllm_config.scheduler_config.max_num_seqs,
-                       vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-            self.squeeze_rows = torch.zeros(4, rows, dtype=torch.int32, device=device)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> DuoAttentionMetadata:
         metadata = self.build(0, common_attn_metadata)
@@ -226,30 +221,27 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         )
 
     def _squeeze_rows(self, cam: CommonAttentionMetadata) -> SqueezeRows:
-        """This step's squeeze plan (`ClusteredContexts.plan`) in the builder's row buffers. Outside a scheduled step
-        (warm-up, CUDA graph capture) no row reads a context; rows past the input batch's (a graph's padding) none."""
+        """This step's squeeze plan (`ClusteredContexts.plan`), staged in the store's row buffer once per step for all
+        groups. Outside a scheduled step (warm-up, CUDA graph capture) no row reads a context; rows past the input
+        batch's (a graph's padding) none."""
         num_reqs = cam.num_reqs
         rows = vllm_seam.step_rows()
+        planned = DuoAttentionMetadataBuilder._last_plan
+        if rows is not None and planned is not None and planned[0] is rows:  # staged by the step's first group
+            return planned[1]
         if rows is None or len(rows.req_ids) > num_reqs:
             step = SqueezeStep([-1] * num_reqs, [0] * num_reqs, [0] * num_reqs, [])
         else:
-            planned = DuoAttentionMetadataBuilder._last_plan
-            if planned is None or planned[0] is not rows:  # the step's first group: plan once for all
-                starts = cam.query_start_loc_cpu[: len(rows.req_ids) + 1]
-                plan = self.contexts.plan(rows.req_ids, rows.prompt_lens, rows.computed,
-                                          (starts[1:] - starts[:-1]).tolist(), rows.live)
-                planned = DuoAttentionMetadataBuilder._last_plan = (rows, plan)
-            step = planned[1]
+            starts = cam.query_start_loc_cpu[: len(rows.req_ids) + 1]
+            step = self.contexts.plan(rows.req_ids, rows.prompt_lens, rows.computed,
+                                      (starts[1:] - starts[:-1]).tolist(), rows.live)
             pad = num_reqs - len(rows.req_ids)
             step = SqueezeStep(step.context_ids + [-1] * pad, step.context_ends + [0] * pad, step.budget + [0] * pad,
                                step.builds)
-        buffer = self.squeeze_rows[:, :num_reqs]
-        rows_host = torch.tensor([step.context_ids, step.context_ends, step.budget], dtype=torch.int32)
-        # from pinned memory: a copy from pageable memory would wait for the GPU to finish the step before
-        buffer[:3].copy_(rows_host.pin_memory() if buffer.is_cuda else rows_host, non_blocking=True)
-        buffer[3].copy_(cam.seq_lens[:num_reqs])
-        buffer[3].masked_fill_(buffer[1] > 0, 1)
-        return SqueezeRows(step, *buffer)
+        staged = self.contexts.stage(step, cam.seq_lens[:num_reqs])
+        if rows is not None:
+            DuoAttentionMetadataBuilder._last_plan = (rows, staged)
+        return staged
 
 
 class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
@@ -361,6 +353,12 @@ def squeeze_of(vllm_config) -> ClusteredContexts:
     return _CONTEXTS[id(serving_plan(vllm_config))]
 
 
+def max_batch_rows(vllm_config) -> int:
+    """The most requests a step's metadata can hold: the scheduler's, or a padded CUDA graph batch's."""
+    return max(vllm_config.scheduler_config.max_num_seqs,
+               vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+
+
 def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torch.device) -> None:
     """Where the squeeze is on: its slots of clustered contexts, allocated at load so that vLLM counts them with
     the weights before it sizes the KV cache; and the step rows the metadata builder plans from."""
@@ -373,7 +371,8 @@ def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torc
     retrieval = [len(layer.retrieval) for layer in serving.layers]
     dtype = vllm_config.model_config.dtype
     centroids = dtype if dtype in (torch.float16, torch.float32) else torch.bfloat16
-    _CONTEXTS[id(serving)] = ClusteredContexts(retrieval, head_dim, serving.plan.sink, settings, device, centroids)
+    _CONTEXTS[id(serving)] = ClusteredContexts(retrieval, head_dim, serving.plan.sink, settings, device, centroids,
+                                               max_batch_rows(vllm_config))
     slot_bytes = ClusteredContexts.bytes_needed(retrieval, head_dim, settings, centroids) // settings.max_contexts
     logger.info(settings.summary(serving.plan.sink, slot_bytes))
 

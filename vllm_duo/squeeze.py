@@ -33,6 +33,7 @@ and a build allocates nothing but the clustering's scratch. `ClusteredContexts.b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Container
 from dataclasses import dataclass
@@ -58,17 +59,17 @@ class SqueezeStep:
     budget: list[int]
     builds: list[tuple[int, int, int]]
 
-    @property
-    def squeezed(self) -> bool:
+    @functools.cached_property
+    def squeezed(self) -> bool:  # read by every layer of the step
         return any(end > 0 for end in self.context_ends)
 
 
 @dataclass
 class SqueezeRows:
-    """A step's plan as the kernels read it: `[num_reqs]` int32 tensors on the cache's device (slices of buffers that
-    CUDA graphs replay from), and the plan itself for the PyTorch path and the builds. `flash_seq_lens` is the
-    step's seq_lens with 1 at the rows that read a context: what FlashAttention reads of their retrieval heads
-    before the sparse decode overwrites them."""
+    """A step's plan as the kernels read it: `[num_reqs]` int32 tensors on the cache's device (slices of the store's
+    one row buffer, which every layer and CUDA graph reads: `ClusteredContexts.stage`), and the plan itself for the
+    PyTorch path and the builds. `flash_seq_lens` is the step's seq_lens with 1 at the rows that read a context: what
+    FlashAttention reads of their retrieval heads before the sparse decode overwrites them."""
 
     step: SqueezeStep
     context_ids: torch.Tensor
@@ -89,7 +90,7 @@ class ClusteredContexts:
     """
 
     def __init__(self, retrieval_per_layer: list[int], head_dim: int, sink: int, settings: SqueezeSettings,
-                 device: torch.device | str = "cpu", centroid_dtype: torch.dtype = torch.bfloat16):
+                 device: torch.device | str = "cpu", centroid_dtype: torch.dtype = torch.bfloat16, max_rows: int = 1):
         self.settings, self.sink, self.device = settings, sink, torch.device(device)
         slots, T = settings.max_contexts, settings.max_context_len
         C = settings.num_clusters(T)
@@ -100,6 +101,7 @@ class ClusteredContexts:
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.prompt_len = [0] * slots
         self.owner: list[str | None] = [None] * slots  # the request each slot serves
+        self.rows = torch.zeros(4, max_rows, dtype=torch.int32, device=device)  # `stage`'s buffer, up to max_rows rows
         # with `count_reads`, over every squeezed decode row and retrieval head so far: keys read beyond the sinks and
         # the window, keys there
         self.reads = torch.zeros(2, dtype=torch.int64, device=device)
@@ -164,6 +166,17 @@ class ClusteredContexts:
                 step.context_ends[row] = prompt_len
                 step.budget[row] = self.budget_of(slot)
         return step
+
+    def stage(self, step: SqueezeStep, seq_lens: torch.Tensor) -> SqueezeRows:
+        """`step` in the row buffer the kernels read, for `seq_lens` `[num_reqs]` (the step's): one buffer for all
+        layers, so that a step stages its plan once and the CUDA graphs captured over it replay each step's plan."""
+        buffer = self.rows[:, :seq_lens.shape[0]]
+        host = torch.tensor([step.context_ids, step.context_ends, step.budget], dtype=torch.int32)
+        # from pinned memory: a copy from pageable memory would wait for the GPU to finish the step before
+        buffer[:3].copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
+        buffer[3].copy_(seq_lens)
+        buffer[3].masked_fill_(buffer[1] > 0, 1)
+        return SqueezeRows(step, *buffer)
 
     def clustered(self, slot: int) -> int:
         """How many positions the slot's CSR holds: [sink, prompt_len) of its context, 0 when free."""
