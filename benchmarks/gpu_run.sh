@@ -225,6 +225,10 @@ json.dump(c, open(p, 'w'), indent=1)"
     # ONLY=dense|duo|squeeze (duo with the squeeze at budgets 1/16 and 1/4), all into one folder
     squeeze_tpot) bench squeeze-tpot --workloads tpot_sweep --set tpot_sweep.input_lens=130816 \
         --max-model-len tpot_sweep=131072 --kv-cache-dtype fp8 --squeeze ${SQUEEZE:-0.0625 0.25} --only ${ONLY:?set ONLY} ;;
+    # issue 33's shared document: 32 questions at once over one 64k document, 1,024 tokens each answer, fp8 KV, prefix
+    # caching; ONLY=dense|duo|squeeze (the squeeze clusters the document once and every question reads it)
+    squeeze_doc) bench squeeze-doc --workloads shared_doc_64k --kv-cache-dtype fp8 --squeeze ${SQUEEZE:-0.0625} \
+        --only ${ONLY:?set ONLY} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -154,19 +154,19 @@ def test_dry_run_prints_every_vllm_command(tmp_path, capsys):
                      "--out", str(tmp_path / "dry"), "--dry-run"]) == 0
     printed = capsys.readouterr().out
     commands = [line for line in printed.splitlines() if not line.startswith("#")]
-    # capacity and ceiling 3 each + (decode, prefill, short, shared_docs_full) 2 each + tpot 4 + ttft 2
+    # capacity and ceiling 3 each + (decode, prefill, short, shared_docs_full, shared_doc_64k) 2 each + tpot 4 + ttft 2
     # + serve 2 x (server + 2 rates) + tpot_sweep 2 x (server + 5 prompt lengths)
     # + short_itl 2 x (server + 2 prompt lengths x 3 runs) + shared_docs 2 x (server + 2 rates)
     # + chat_turns and repeat_32k 2 x (server + 1 client) each
-    assert len(commands) == 3 + 3 + 8 + 4 + 2 + 6 + 12 + 14 + 6 + 4 + 4
+    assert len(commands) == 3 + 3 + 10 + 4 + 2 + 6 + 12 + 14 + 6 + 4 + 4
     assert not (tmp_path / "dry").exists()
-    assert sum("bench throughput" in c for c in commands) == 14
+    assert sum("bench throughput" in c for c in commands) == 16
     assert sum("bench latency" in c for c in commands) == 6
     assert sum("bench serve" in c for c in commands) == 4 + 10 + 12 + 4 + 2
     assert sum("vllm.entrypoints.openai.api_server" in c for c in commands) == 2 + 2 + 2 + 6
     duo_config = '{"duo": {"pattern": "Meta-Llama-3.1-8B-Instruct", "sparsity": 0.5, "sink": 64, "recent": 256}}'
-    # capacity, ceiling, throughput x4, tpot x2, ttft, the six servers
-    assert sum(duo_config in c for c in commands) == 1 + 1 + 4 + 2 + 1 + 6
+    # capacity, ceiling, throughput x5, tpot x2, ttft, the six servers
+    assert sum(duo_config in c for c in commands) == 1 + 1 + 5 + 2 + 1 + 6
     # the ceiling asks beyond the model's context (Llama 3.1: 131,072), which vLLM allows only when told
     long_len = [c for c in commands if "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 " in c]
     assert len(long_len) == 3 and all("ceiling__" in c and "--max-model-len 4194304" in c

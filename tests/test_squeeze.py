@@ -51,7 +51,7 @@ def test_a_build_lists_each_clustered_position_once():
     contexts = built(case, cache, settings_for(case))
     for i, seq_len in enumerate(case.seq_lens):
         T = seq_len - 1 - CASE.sink
-        assert contexts.clustered(i) == T and contexts.prompt_len[i] == seq_len - 1
+        assert contexts.clustered(i) == T and contexts.ends[i] == seq_len - 1
         for r in range(case.heads.num_retrieval):
             offsets, sizes = contexts.offsets[0][i, r], contexts.sizes[0][i, r]
             assert offsets[0] == 0 and offsets[-1] == T and torch.equal(offsets[1:] - offsets[:-1], sizes)
@@ -147,30 +147,71 @@ def test_settings_memory_and_window():
     assert contexts.clustered(0) == 0
 
 
+def prompts_of(**lengths) -> dict:
+    """A distinct prompt of each length, by request id."""
+    return {req: [k + len(lengths) * i for i in range(n)] for k, (req, n) in enumerate(lengths.items())}
+
+
 def test_plan_gives_slots_where_prefills_end_and_frees_them():
     """Serving's bookkeeping (`ClusteredContexts.plan`): a long enough prompt takes a free slot in the step its prefill
-    ends (a prefix hit's last token too), its single-token rows read the slot once built, short prompts and prompts
-    finding no free slot are left to duo, and a request gone from the worker frees its slot."""
+    ends (a prefix hit's last token too) and clusters it but its last `tail` tokens; its single-token rows read the
+    slot once built; short prompts and prompts finding no slot are left to duo; a request gone from the worker leaves
+    its slot idle, for the next context that needs one."""
     settings = SqueezeSettings(max_contexts=2, min_context_len=100, max_context_len=1000, keys_per_cluster=16,
-                               budget=0.5)
+                               budget=0.5, tail=20)
     contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings, max_rows=4)
     live = {"a", "b", "c", "short", "long"}
+    prompts = prompts_of(a=200, b=300, c=400, short=50, long=2000)
     # a: prefill [0, 96) of 200; b: prefill ends (last chunk); short: a 50-token prompt ends; long: past the slots
-    step = contexts.plan(["a", "b", "short", "long"], [200, 300, 50, 2000], [0, 250, 0, 0], [96, 50, 50, 96], live)
-    assert step.builds == [(1, 0, 300)] and step.context_ids == [-1] * 4 and not step.squeezed
-    contexts.prompt_len[0] = 300  # what the layers' builds set
+    step = contexts.plan(["a", "b", "short", "long"], [200, 300, 50, 2000], [0, 250, 0, 0], [96, 50, 50, 96], live,
+                         prompts.get)
+    assert step.builds == [(1, 0, 280)] and step.context_ids == [-1] * 4 and not step.squeezed
+    assert contexts.tokens[0] == prompts["b"][:280]
+    contexts.ends[0] = 280  # what the layers' builds set
     # a ends its prefill (slot 1); b decodes from its slot; c (a prefix hit: only its last prompt token) finds none
-    step = contexts.plan(["a", "b", "c"], [200, 300, 400], [96, 300, 399], [104, 1, 1], live)
-    assert step.builds == [(0, 1, 200)]
-    assert step.context_ids == [-1, 0, -1] and step.context_ends == [0, 300, 0]
-    assert step.budget == [0, math.ceil(0.5 * (300 - 4)), 0]
+    step = contexts.plan(["a", "b", "c"], [200, 300, 400], [96, 300, 399], [104, 1, 1], live, prompts.get)
+    assert step.builds == [(0, 1, 180)]
+    assert step.context_ids == [-1, 0, -1] and step.context_ends == [0, 280, 0]
+    assert step.budget == [0, math.ceil(0.5 * (280 - 4)), 0]
     staged = contexts.stage(step, torch.tensor([200, 301, 400], dtype=torch.int32))  # the kernels' rows
-    assert staged.context_ids.tolist() == [-1, 0, -1] and staged.context_ends.tolist() == [0, 300, 0]
+    assert staged.context_ids.tolist() == [-1, 0, -1] and staged.context_ends.tolist() == [0, 280, 0]
     assert staged.budget.tolist() == step.budget and staged.flash_seq_lens.tolist() == [200, 1, 400]
     # a's first decode step: its slot is not built yet (no layer ran), so it reads none; then b is gone
-    step = contexts.plan(["a"], [200], [200], [1], live - {"b"})
-    assert step.context_ids == [-1] and contexts.owner == [None, "a"] and contexts.clustered(0) == 0
-    contexts.prompt_len[1] = 200
-    assert contexts.plan(["a"], [200], [201], [1], live).context_ids == [1]
+    step = contexts.plan(["a"], [200], [200], [1], live - {"b"}, prompts.get)
+    assert step.context_ids == [-1] and contexts.readers == [set(), {"a"}] and contexts.clustered(0) == 276
+    contexts.ends[1] = 180
+    assert contexts.plan(["a"], [200], [201], [1], live, prompts.get).context_ids == [1]
     # a preempted request recomputing its prompt reads nothing until its prefill is past the prompt again
-    assert contexts.plan(["a"], [200], [0], [1], live).context_ids == [-1]
+    assert contexts.plan(["a"], [200], [0], [1], live, prompts.get).context_ids == [-1]
+    # c's prefill ends again: b's idle slot goes to it
+    step = contexts.plan(["c"], [400], [0], [400], live, prompts.get)
+    assert step.builds == [(0, 0, 380)] and contexts.ends[0] == 0 and contexts.built == 3
+
+
+def test_plan_shares_a_context_between_prompts_that_start_with_it():
+    """A document asked two questions is clustered once: the second prompt (its own question longer) reads the first
+    one's slot; a prompt that adds a long enough part to it, or differs inside it, gets a slot of its own; with every
+    slot read by a live request a new context finds none, and the least recently read idle slot goes first."""
+    settings = SqueezeSettings(max_contexts=2, min_context_len=100, max_context_len=1000, keys_per_cluster=16,
+                               tail=30)
+    contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings, max_rows=4)
+    document = list(range(1000, 1500))
+    prompts = {"q1": document + [1] * 10, "q2": document + [2] * 40, "more": document + list(range(200)),
+               "other": document[:100] + [7] + document[101:] + [1] * 10, "late": list(range(5000, 5300))}
+    live = set(prompts)
+    step = contexts.plan(["q1"], [510], [0], [510], live, prompts.get)
+    assert step.builds == [(0, 0, 480)]
+    contexts.ends[0] = 480
+    step = contexts.plan(["q1", "q2", "more"], [510, 540, 700], [510, 0, 0], [1, 540, 700], live, prompts.get)
+    assert step.builds == [(2, 1, 670)] and contexts.slot_of == {"q1": 0, "q2": 0, "more": 1}
+    assert step.context_ids == [0, -1, -1] and contexts.shared == 1
+    contexts.ends[1] = 670
+    step = contexts.plan(["q2", "more"], [540, 700], [540, 700], [1, 1], live, prompts.get)
+    assert step.context_ids == [0, 1] and step.context_ends == [480, 670]
+    # every slot read: a prompt that differs inside the document's context finds none (not q1's)
+    step = contexts.plan(["other"], [510], [0], [510], live, prompts.get)
+    assert step.builds == [] and "other" not in contexts.slot_of
+    # q1, q2 gone (slot 0 idle, read at step 3), more gone later (slot 1 idle, read at step 4): slot 0 goes first
+    contexts.plan(["more"], [700], [701], [1], live - {"q1", "q2"}, prompts.get)
+    step = contexts.plan(["late"], [300], [0], [300], live - {"q1", "q2", "more"}, prompts.get)
+    assert step.builds == [(0, 0, 270)] and contexts.tokens[1] == prompts["more"][:670]

@@ -234,7 +234,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         else:
             starts = cam.query_start_loc_cpu[: len(rows.req_ids) + 1]
             step = self.contexts.plan(rows.req_ids, rows.prompt_lens, rows.computed,
-                                      (starts[1:] - starts[:-1]).tolist(), rows.live)
+                                      (starts[1:] - starts[:-1]).tolist(), rows.live, rows.prompt_of)
             pad = num_reqs - len(rows.req_ids)
             step = SqueezeStep(step.context_ids + [-1] * pad, step.context_ends + [0] * pad, step.budget + [0] * pad,
                                step.builds)
@@ -340,8 +340,8 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             if squeeze is not None and squeeze.step.squeezed:
                 self.contexts.decode_reference(self.layer_index, q, kv_cache, heads, m.query_start_loc_host,
                                                m.seq_lens_host, m.block_table, self.scale, out, squeeze.step, quant)
-        for row, slot, prompt_len in [] if squeeze is None else squeeze.step.builds:  # their keys are written now
-            self.contexts.build(self.layer_index, slot, kv_cache, heads, m.block_table[row], prompt_len, quant)
+        for row, slot, end in [] if squeeze is None else squeeze.step.builds:  # their keys are written now
+            self.contexts.build(self.layer_index, slot, kv_cache, heads, m.block_table[row], end, quant)
         return output
 
 

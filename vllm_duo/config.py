@@ -30,7 +30,8 @@ class SqueezeSettings(BaseModel):
     """budget: share of a context's clustered keys each retrieval head reads at decode (0 < budget <= 1);
     keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most, from `init` seeds; max_contexts: slots
     kept at once; min_context_len / max_context_len: the prompts a slot takes (others are served by duo unsqueezed;
-    the longest sizes every slot)."""
+    the longest sizes every slot); tail: a prompt's last tokens, read whole rather than clustered, so that prompts
+    which differ only there (one document, other questions) share one clustered context."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -41,6 +42,7 @@ class SqueezeSettings(BaseModel):
     max_contexts: int = Field(default=4, ge=1)
     min_context_len: int = Field(default=4096, ge=1)
     max_context_len: int = Field(default=131072, ge=1)
+    tail: int = Field(default=256, ge=0)
     count_reads: bool = False  # count the keys decode reads beyond sinks and window (`ClusteredContexts.read_share`)
 
     def num_clusters(self, num_keys: int) -> int:
@@ -56,7 +58,8 @@ class SqueezeSettings(BaseModel):
         return (f"duo squeeze: retrieval heads of prompts of {self.min_context_len} to {self.max_context_len + sink} "
                 f"tokens read {self.budget:g} of their clustered keys at decode ({self.keys_per_cluster} keys per "
                 f"cluster, {self.iters} Lloyd iterations from {self.init} seeds), plus sinks and window; "
-                f"{self.max_contexts} contexts at once, {slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside "
+                f"{self.max_contexts} contexts kept, each a prompt but its last {self.tail} tokens and read by every "
+                f"prompt that starts with it, {slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside "
                 "the KV cache")
 
 

@@ -18,11 +18,20 @@ attends exactly over those keys plus the sinks and the recent window (kernels/sp
 Tokens generated after the prompt are not clustered: they are read whole, the sparse decode's window starting at
 the prompt's end at the latest (`context_ends`).
 
-Serving (backend.py) plans each step once (`ClusteredContexts.plan`): a request whose prompt is long enough takes a
-free slot in the step where its prefill ends, and each layer clusters its keys into the slot right after that layer's
-attention has written them; from the next step on, its single-token rows read the slot. Requests without a slot (the
-slots were taken, the prompt too short or too long) are served by duo unsqueezed; a slot is freed once its request is
-gone from the worker (finished, aborted or preempted).
+Serving (backend.py) plans each step once (`ClusteredContexts.plan`). A context is a prompt but its last `tail`
+tokens: the slot keeps its tokens, and every later prompt that starts with them reads it, so a document asked many
+questions is clustered once:
+
+    tail 256; request A: document (100,000 tokens) + question 60 -> clustered [64, 99,804), built as A's prefill ends
+    request B: the same document + question 120 -> its first 99,804 tokens are A's context: B reads A's slot,
+        its retrieval heads reading [99,804, seq_len) whole
+    request C: another document -> a free slot, or the least recently read one no request is reading
+
+A long enough prompt takes its slot in the step where its prefill ends (or joins one whose context it starts with,
+unless what it adds beyond that context is itself `min_context_len` long), and each layer clusters its keys into the
+slot right after that layer's attention has written them; from the next step on, its single-token rows read the
+slot. Requests without a slot (the prompt too short or too long, every slot read by a live request) are served by
+duo unsqueezed. A slot outlives its requests until another context needs it.
 
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
 centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +60,8 @@ from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 @dataclass
 class SqueezeStep:
     """One step's plan, per batch row: the slot it reads (-1: none), where that context ends (0: none) and the keys
-    its retrieval heads select (0: none); `builds` lists (row, slot, prompt_len) for each prefill that ends in this
-    step and clusters its context into `slot`."""
+    its retrieval heads select (0: none); `builds` lists (row, slot, end) for each prefill that ends in this step and
+    clusters its context, positions [sink, end), into `slot`."""
 
     context_ids: list[int]
     context_ends: list[int]
@@ -83,7 +92,8 @@ class ClusteredContexts:
 
     - centroids `[slots, R, C, head_dim]` (`centroid_dtype`), sizes `[slots, R, C]` int32 (0: no such cluster);
     - offsets `[slots, R, C + 1]` int32 and positions `[slots, R, T]` int32: the CSR of positions per cluster;
-    - `prompt_len[slot]`: where its prompt ends (0: free); `clustered(slot)` positions past the sinks are in its CSR.
+    - `ends[slot]`: where its built context ends (0: none built); `clustered(slot)` positions past the sinks are in
+      its CSR; `tokens[slot]`: that context's token ids (None: free), which a prompt must start with to read it.
 
     C and T are the largest a slot can need (`SqueezeSettings.max_context_len`); a smaller context leaves the
     rest as empty clusters.
@@ -99,8 +109,13 @@ class ClusteredContexts:
         self.sizes = [torch.zeros(slots, R, C, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.offsets = [torch.zeros(slots, R, C + 1, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
-        self.prompt_len = [0] * slots
-        self.owner: list[str | None] = [None] * slots  # the request each slot serves
+        self.ends = [0] * slots
+        self.tokens: list[list[int] | None] = [None] * slots
+        self.readers: list[set[str]] = [set() for _ in range(slots)]  # the live requests that read (or build) a slot
+        self.slot_of: dict[str, int] = {}  # and the other way
+        self.last_read = [0] * slots  # the step each slot was last read or claimed: the least recent goes first
+        self.steps = 0
+        self.built = self.shared = 0  # contexts clustered; prompts that read one clustered for an earlier prompt
         self.rows = torch.zeros(4, max_rows, dtype=torch.int32, device=device)  # `stage`'s buffer, up to max_rows rows
         # with `count_reads`, over every squeezed decode row and retrieval head so far: keys read beyond the sinks and
         # the window, keys there
@@ -115,15 +130,15 @@ class ClusteredContexts:
         return settings.max_contexts * sum(retrieval_per_layer) * per_head
 
     def build(self, layer: int, slot: int, cache: torch.Tensor, heads: LayerHeads, table_row: torch.Tensor,
-              prompt_len: int, quant: KVQuant | None = None, seed: int = 0) -> None:
-        """Cluster one context's retrieval keys of `layer` into `slot`: positions [sink, prompt_len) as attention
-        sees them (fp8 dequantized with `quant`), read through the request's block table row."""
-        T, R = prompt_len - self.sink, heads.num_retrieval
+              end: int, quant: KVQuant | None = None, seed: int = 0) -> None:
+        """Cluster one context's retrieval keys of `layer` into `slot`: positions [sink, end) as attention sees them
+        (fp8 dequantized with `quant`), read through the request's block table row."""
+        T, R = end - self.sink, heads.num_retrieval
         if not 0 < T <= self.settings.max_context_len:
             raise ValueError(f"a squeezed context holds 1 to {self.settings.max_context_len} positions past the "
-                             f"{self.sink} sinks, got a prompt of {prompt_len}")
+                             f"{self.sink} sinks, got a context of {end}")
         if R:
-            keys, _ = read_retrieval(cache, table_row.long(), prompt_len, R, heads.stride, quant)
+            keys, _ = read_retrieval(cache, table_row.long(), end, R, heads.stride, quant)
             keys = keys[self.sink:].transpose(0, 1).float()  # [R, T, D]
             C = self.settings.num_clusters(T)
             clusters = cluster_keys(keys, C, iters=self.settings.iters, seed=seed, init=self.settings.init)
@@ -135,37 +150,69 @@ class ClusteredContexts:
             self.offsets[layer][slot, :, :C + 1] = offsets
             self.offsets[layer][slot, :, C + 1:] = offsets[:, -1:]
             self.positions[layer][slot, :, :T] = positions
-        self.prompt_len[slot] = prompt_len
+        self.ends[slot] = end
 
     def free(self, slot: int) -> None:
-        self.prompt_len[slot] = 0
-        self.owner[slot] = None
+        self.ends[slot] = 0
+        self.tokens[slot] = None
+        for req in self.readers[slot]:
+            del self.slot_of[req]
+        self.readers[slot].clear()
 
     def plan(self, req_ids: list[str], prompt_lens: list[int], computed: list[int], query_lens: list[int],
-             live: Container[str]) -> SqueezeStep:
+             live: Container[str], prompt_of: Callable[[str], Sequence[int] | None]) -> SqueezeStep:
         """This step's `SqueezeStep` for rows `req_ids` (their prompt lengths, tokens computed before the step and
-        tokens in it); `live`: every request the worker still holds. Frees the slots of requests gone, gives a free
-        slot to each long enough prompt whose prefill ends in this step, and lets each single-token row past its
-        prompt read its request's built slot."""
-        settings, num_rows = self.settings, len(req_ids)
-        for slot, owner in enumerate(self.owner):
-            if owner is not None and owner not in live:
-                self.free(slot)
-        slot_of = {owner: slot for slot, owner in enumerate(self.owner) if owner is not None}
+        tokens in it); `live`: every request the worker still holds; `prompt_of(req)`: its prompt's token ids. Drops
+        the requests gone, gives each long enough prompt whose prefill ends in this step a slot (`_assign`), and lets
+        each single-token row past its prompt read its slot once built."""
+        self.steps += 1
+        for req in [req for req in self.slot_of if req not in live]:
+            self.readers[self.slot_of.pop(req)].discard(req)
+        num_rows = len(req_ids)
         step = SqueezeStep([-1] * num_rows, [0] * num_rows, [0] * num_rows, [])
         for row, (req, prompt_len, before, new) in enumerate(zip(req_ids, prompt_lens, computed, query_lens)):
-            slot = slot_of.get(req)
+            slot = self.slot_of.get(req)
             if slot is None:
-                fits = settings.min_context_len <= prompt_len and 0 < prompt_len - self.sink <= settings.max_context_len
-                if fits and before < prompt_len <= before + new and None in self.owner:
-                    slot = self.owner.index(None)
-                    self.owner[slot] = req
-                    step.builds.append((row, slot, prompt_len))
-            elif new == 1 and before >= prompt_len and self.prompt_len[slot] == prompt_len:  # built, decoding
+                if before < prompt_len <= before + new:
+                    self._assign(req, row, prompt_len, prompt_of, step)
+            elif new == 1 and before >= prompt_len and self.ends[slot]:  # built, decoding
                 step.context_ids[row] = slot
-                step.context_ends[row] = prompt_len
+                step.context_ends[row] = self.ends[slot]
                 step.budget[row] = self.budget_of(slot)
+                self.last_read[slot] = self.steps
         return step
+
+    def _assign(self, req: str, row: int, prompt_len: int, prompt_of: Callable[[str], Sequence[int] | None],
+                step: SqueezeStep) -> None:
+        """A slot for `req`, whose prefill ends in this step: the longest context its prompt starts with, unless what
+        the prompt adds to it is itself long enough to squeeze; else a free slot, or the least recently read one that
+        no live request reads, which it claims and `step` builds; else none."""
+        settings = self.settings
+        end = prompt_len - settings.tail
+        if not (settings.min_context_len <= prompt_len and 0 < end - self.sink
+                and prompt_len - self.sink <= settings.max_context_len):
+            return
+        prompt = prompt_of(req)
+        if prompt is None or len(prompt) < prompt_len:
+            return
+        shared = [slot for slot, tokens in enumerate(self.tokens)
+                  if tokens is not None and len(tokens) <= prompt_len and prompt[len(tokens) - 1] == tokens[-1]
+                  and list(prompt[:len(tokens)]) == tokens]
+        slot = max(shared, key=lambda slot: len(self.tokens[slot]), default=None)
+        if slot is None or end - len(self.tokens[slot]) >= settings.min_context_len:
+            idle = [slot for slot in range(len(self.tokens)) if not self.readers[slot]]
+            if not idle:
+                return
+            slot = min(idle, key=lambda slot: (self.tokens[slot] is not None, self.last_read[slot]))
+            self.free(slot)
+            self.tokens[slot] = list(prompt[:end])
+            step.builds.append((row, slot, end))
+            self.built += 1
+        else:
+            self.shared += 1
+        self.readers[slot].add(req)
+        self.slot_of[req] = slot
+        self.last_read[slot] = self.steps
 
     def stage(self, step: SqueezeStep, seq_lens: torch.Tensor) -> SqueezeRows:
         """`step` in the row buffer the kernels read, for `seq_lens` `[num_reqs]` (the step's): one buffer for all
@@ -179,13 +226,13 @@ class ClusteredContexts:
         return SqueezeRows(step, *buffer)
 
     def clustered(self, slot: int) -> int:
-        """How many positions the slot's CSR holds: [sink, prompt_len) of its context, 0 when free."""
-        return max(self.prompt_len[slot] - self.sink, 0)
+        """How many positions the slot's CSR holds: [sink, end) of its context, 0 when none is built."""
+        return max(self.ends[slot] - self.sink, 0)
 
     def context_ends(self, slots: list[int]) -> torch.Tensor:
-        """`[num_reqs]` int32: where each request's clustered positions end (its prompt's end), for
+        """`[num_reqs]` int32: where each request's clustered positions end (its context's end), for
         `sparse_decode_attention`'s `context_ends`."""
-        return torch.tensor([self.prompt_len[s] for s in slots], dtype=torch.int32, device=self.device)
+        return torch.tensor([self.ends[s] for s in slots], dtype=torch.int32, device=self.device)
 
     def budget_of(self, slot: int) -> int:
         """The keys each retrieval head selects from the slot's context: `budget` of its clustered positions."""
@@ -224,18 +271,20 @@ class ClusteredContexts:
 
     def _count(self, selected: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tensor, context_ends: torch.Tensor,
                heads: LayerHeads) -> None:
-        """With `count_reads`, add a layer's squeezed rows to `reads`: the selected positions between the sinks and
-        the window (what the sparse decode reads beyond them), and the positions there. On the device, no sync: a
-        CUDA graph replays the sums too."""
+        """With `count_reads`, add a layer's squeezed rows to `reads`: the keys read beyond the sinks and the window
+        [sink, seq_len - recent), which are the selected positions there and, past the context's end, every position
+        there; and the keys there. On the device, no sync: a CUDA graph replays the sums too."""
         if not self.settings.count_reads:
             return
         device = self.reads.device
         ends = context_ends.to(device)
-        window = torch.minimum(seq_lens.to(device) - heads.recent, ends).clamp(min=self.sink)  # [num_reqs]
+        window = (seq_lens.to(device) - heads.recent).clamp(min=self.sink)  # [num_reqs]
+        clustered_end = torch.minimum(window, ends)
         slot = torch.arange(selected.shape[-1], device=device)
-        beyond = (selected >= self.sink) & (selected < window[:, None, None]) & (slot < counts[..., None])
-        self.reads[0] += beyond.sum()
-        self.reads[1] += ((window - self.sink) * (ends > 0)).sum() * heads.num_retrieval
+        beyond = (selected >= self.sink) & (selected < clustered_end[:, None, None]) & (slot < counts[..., None])
+        squeezed = ends > 0
+        self.reads[0] += beyond.sum() + ((window - clustered_end) * squeezed).sum() * heads.num_retrieval
+        self.reads[1] += ((window - self.sink) * squeezed).sum() * heads.num_retrieval
 
     def read_share(self) -> float | None:
         """With `count_reads`: keys read beyond the sinks and window / keys there, over the squeezed decode so far

@@ -27,8 +27,8 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | backend_interface, manager_interface | all | duo's overrides accept every argument vLLM passes (`get_supported_kernel_block_sizes(kv_cache_spec)` 0.31+, `get_num_blocks_to_allocate(prefill_end)` 0.31+, `cache_blocks(replay_boundaries)` 0.30+) |
 | inproc_engine_core | all | capacity.py reads an in-process `LLM`'s EngineCore (`llm_engine.engine_core.engine_core`), its scheduler's `kv_cache_config` and block pool (checked where used) |
 | prefix_cache_lookups | 0.26-0.32 | cache_sim wraps one KVCacheManager's `get_computed_blocks` to record each lookup's hit tokens, and asks its `coordinator.find_longest_cache_hit` (checked where used; 0.33 passes `max_cache_hit_length` to the lookup and moved `get_kv_cache_configs` to kv_cache_planning with a fourth argument, so cache_sim stops there) |
-| step_rows | all | applied by the load step where the squeeze is on: the V1 model runner's `_build_attention_metadata` records, for a scheduled step (it is passed `num_scheduled_tokens`), its input batch's `req_ids`, `num_prompt_tokens`, `num_computed_tokens_cpu` and the runner's live `requests`: the squeeze (squeeze.py) plans which rows read a clustered context from them |
-| step_rows_v2 | all | the same from the V2 model runner: its `prepare_inputs`' batch (`req_ids`, `idx_mapping_np`, `num_computed_tokens_np`) with its request states' `prompt_len` and `req_id_to_index`, cleared when `execute_model` returns |
+| step_rows | all | applied by the load step where the squeeze is on: the V1 model runner's `_build_attention_metadata` records, for a scheduled step (it is passed `num_scheduled_tokens`), its input batch's `req_ids`, `num_prompt_tokens`, `num_computed_tokens_cpu` and the runner's live `requests` with their `prompt_token_ids`: the squeeze (squeeze.py) plans which rows read a clustered context from them |
+| step_rows_v2 | all | the same from the V2 model runner: its `prepare_inputs`' batch (`req_ids`, `idx_mapping_np`, `num_computed_tokens_np`) with its request states' `prompt_len` and `req_id_to_index`, and the prompts of the scheduler output's `scheduled_new_reqs` (every request the V2 runner holds came as one; dropped at `finished_req_ids` and `preempted_req_ids`), cleared when `execute_model` returns |
 | bench_throughput_requests | all | `python -m vllm_duo.tools.bench --pretokenized` wraps `vllm.benchmarks.throughput.get_requests`: text prompts go as token ids (checked where used) |
 """
 
@@ -663,13 +663,14 @@ def pretokenize_bench_throughput() -> None:
 
 @dataclass(frozen=True)
 class StepRows:
-    """The scheduled step's rows in batch order: request ids, prompt lengths, tokens computed before this step, and
-    the ids of every request the worker still holds (finished ones are gone)."""
+    """The scheduled step's rows in batch order: request ids, prompt lengths, tokens computed before this step; the
+    ids of every request the worker still holds (finished ones are gone), and any such request's prompt token ids."""
 
     req_ids: list[str]
     prompt_lens: list[int]
     computed: list[int]
     live: object  # a container of request ids
+    prompt_of: Callable[[str], Sequence[int] | None]
 
 
 _STEP_ROWS: list[StepRows | None] = [None]
@@ -692,8 +693,9 @@ def _check_step_rows() -> str | None:
         return "GPUModelRunner._build_attention_metadata takes no num_scheduled_tokens"
     from vllm.v1.worker import gpu_input_batch
 
-    return _source_mentions(gpu_input_batch.InputBatch, ["self._req_ids", "self.num_prompt_tokens",
-                                                         "self.num_computed_tokens_cpu"], "InputBatch")
+    return (_source_mentions(gpu_input_batch.InputBatch, ["self._req_ids", "self.num_prompt_tokens",
+                                                          "self.num_computed_tokens_cpu"], "InputBatch")
+            or _missing_fields(gpu_input_batch.CachedRequestState, ["prompt_token_ids"], "CachedRequestState"))
 
 
 def _record_step_rows() -> None:
@@ -708,8 +710,10 @@ def _record_step_rows() -> None:
         if kwargs.get("num_scheduled_tokens") is not None:  # a scheduled step, not a warm-up or capture
             batch = self.input_batch
             n = batch.num_reqs
+            requests = self.requests
             rows = StepRows(list(batch.req_ids[:n]), batch.num_prompt_tokens[:n].tolist(),
-                            batch.num_computed_tokens_cpu[:n].tolist(), self.requests)
+                            batch.num_computed_tokens_cpu[:n].tolist(), requests,
+                            lambda req: getattr(requests.get(req), "prompt_token_ids", None))
         _STEP_ROWS[0] = rows
         try:
             return build(self, *args, **kwargs)
@@ -724,6 +728,7 @@ def _check_step_rows_v2() -> str | None:
     runner = _v2_runner()
     if runner is None or getattr(runner.prepare_inputs, "_duo_records", False):
         return None
+    from vllm.v1.core.sched import output as sched_output
     from vllm.v1.worker.gpu import input_batch, states
 
     params = _params(runner.prepare_inputs)
@@ -732,7 +737,10 @@ def _check_step_rows_v2() -> str | None:
             or _missing(runner, ["execute_model"], "V2 GPUModelRunner")
             or _missing_fields(input_batch.InputBatch, ["req_ids", "num_reqs", "idx_mapping_np",
                                                         "num_computed_tokens_np"], "V2 InputBatch")
-            or _source_mentions(states.RequestState, ["self.req_id_to_index", "self.prompt_len"], "V2 RequestState"))
+            or _source_mentions(states.RequestState, ["self.req_id_to_index", "self.prompt_len"], "V2 RequestState")
+            or _missing_fields(sched_output.SchedulerOutput, ["scheduled_new_reqs", "finished_req_ids",
+                                                              "preempted_req_ids"], "SchedulerOutput")
+            or _missing_fields(sched_output.NewRequestData, ["req_id", "prompt_token_ids"], "NewRequestData"))
 
 
 def _record_step_rows_v2() -> None:
@@ -741,13 +749,19 @@ def _record_step_rows_v2() -> None:
         return
     prepare, execute = runner.prepare_inputs, runner.execute_model
 
+    prompts: dict[str, list[int]] = {}  # of the requests the runner holds
+
     @functools.wraps(prepare)
-    def prepare_inputs(self, *args, **kwargs):  # (scheduler_output, batch_desc) to 0.2x, more arguments by 0.32
-        batch = prepare(self, *args, **kwargs)
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):  # more arguments after it by 0.32
+        for req in scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set()):
+            prompts.pop(req, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            prompts[new.req_id] = new.prompt_token_ids
+        batch = prepare(self, scheduler_output, *args, **kwargs)
         n = batch.num_reqs
         states = self.req_states
         _STEP_ROWS[0] = StepRows(list(batch.req_ids[:n]), states.prompt_len.np[batch.idx_mapping_np[:n]].tolist(),
-                                 batch.num_computed_tokens_np[:n].tolist(), states.req_id_to_index)
+                                 batch.num_computed_tokens_np[:n].tolist(), states.req_id_to_index, prompts.get)
         return batch
 
     @functools.wraps(execute)

@@ -145,6 +145,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                       "cache on an H100 holds 915k, its bf16 cache 463k, duo's twice that), 8 questions each, "
                       "shuffled and sent at once, tokenized before the clock starts; output tok/s, prefix-cache "
                       "hit rate, running and waiting requests (vLLM's stats lines)"),
+    Workload("shared_doc_64k", "throughput", 67000, 65536, 1024, num_prompts=32, dataset="documents",
+             question_len=64, num_documents=1, engine_args=("--enable-prefix-caching",),
+             measures="decode-heavy question answering over one shared 64k-token document: 32 questions at once, "
+                      "1,024 tokens each answer; the document is prefilled once (prefix cache) and, with the "
+                      "squeeze (--squeeze), clustered once; every decode step reads it once per question"),
     Workload("chat_turns", "serve", 20000, 16000, 256, num_prompts=16, request_rates=(float("inf"),),
              dataset="chat", question_len=128, turns=6, engine_args=("--enable-prefix-caching",),
              measures="multi-turn chat over a 16k-token document: every turn resends the conversation, so all but "
