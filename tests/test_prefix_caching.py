@@ -234,7 +234,7 @@ def texts(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     questions = [tokenizer.encode(f" Question {i}: what happened {w}? Answer:", add_special_tokens=False)
                  for i, w in enumerate(("first", "next", "last", "then", "after", "before"))]
-    documents = [text_of_tokens(tokenizer, 1500, seed=seed)[:-20] for seed in range(4)]
+    documents = [text_of_tokens(tokenizer, 1000, seed=seed)[:-20] for seed in range(4)]
     return documents, questions
 
 
@@ -303,13 +303,13 @@ def test_hit_after_an_aborted_request(llm, texts):
 
 
 def test_hits_under_preemption_and_eviction(smollm2_dir, texts):
-    """A pool of 260 blocks (a 1,500-token request holds about 115): four documents admitted at once (by their
+    """A pool of 175 blocks (a 1,000-token request holds about 78): four documents admitted at once (by their
     first chunk, not their whole prompt) preempt each other, and a resumed request hits its own blocks; then three
     more requests evict the first document's blocks. Each answer equals the same request served cold."""
     from vllm_duo.capacity import held_blocks
 
     documents, questions = texts
-    small = make_llm(smollm2_dir, DUO, max_model_len=2048, max_num_batched_tokens=256, num_gpu_blocks_override=260,
+    small = make_llm(smollm2_dir, DUO, max_model_len=2048, max_num_batched_tokens=256, num_gpu_blocks_override=175,
                      scheduler_reserve_full_isl=False)
     scheduler = small.llm_engine.engine_core.engine_core.scheduler
     preempted = []

@@ -3,7 +3,9 @@
 4D cache view of vLLM 0.29+. Builds no engine."""
 
 import inspect
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,8 +105,6 @@ def test_an_engine_core_out_of_reach_stops_the_tools_that_read_it(monkeypatch):
 
 def test_the_pretokenized_bench_sends_text_prompts_as_token_ids_once(monkeypatch):
     """`--pretokenized` wraps vLLM's sampler once: text prompts become the tokenizer's ids, token ids stay."""
-    from types import SimpleNamespace
-
     from vllm.benchmarks import throughput
 
     class Tokenizer:
@@ -287,3 +287,34 @@ def test_duo_keeps_its_block_size_when_the_platform_asks_after_load():
 
     assert DuoAttentionBackend.get_preferred_block_size(128) == DuoAttentionBackend.get_preferred_block_size(16)
     assert DuoAttentionBackend.get_preferred_block_size(128) == DUO_BLOCK_SIZE
+
+
+def test_v2_step_rows_know_each_running_requests_prompt(monkeypatch):
+    """step_rows_v2 (the squeeze on vLLM's V2 model runner) gives each row's prompt from the scheduler outputs' new
+    requests, and forgets a prompt once its request finished or was preempted (a resumed one comes back as new)."""
+    runner = vllm_seam._v2_runner()
+    if runner is None:
+        pytest.skip("this vLLM has no V2 model runner")
+    batch = SimpleNamespace(num_reqs=2, req_ids=["a", "b"], idx_mapping_np=np.array([1, 0]),
+                            num_computed_tokens_np=np.array([0, 3]))
+    monkeypatch.setattr(runner, "prepare_inputs", lambda self, scheduler_output, *args: batch)
+    monkeypatch.setattr(runner, "execute_model", lambda self, scheduler_output, *args: None)
+    vllm_seam.BY_NAME["step_rows_v2"].apply()
+    worker = SimpleNamespace(req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=np.array([7, 5])),
+                                                        req_id_to_index={"a": 1, "b": 0}))
+
+    def step(new=(), finished=(), preempted=None):
+        output = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r, prompt_token_ids=p) for r, p in new],
+                                 finished_req_ids=set(finished), preempted_req_ids=preempted)
+        runner.prepare_inputs(worker, output, "batch_desc")
+        rows = vllm_seam.step_rows()
+        runner.execute_model(worker, output)
+        assert vllm_seam.step_rows() is None
+        return rows
+
+    rows = step(new=[("a", [1] * 5), ("b", [2] * 7)])
+    assert rows.req_ids == ["a", "b"] and rows.prompt_lens == [5, 7] and rows.computed == [0, 3]
+    assert rows.prompt_of("a") == [1] * 5 and rows.prompt_of("b") == [2] * 7
+    rows = step(finished=["a"])
+    assert rows.prompt_of("a") is None and rows.prompt_of("b") == [2] * 7
+    assert step(preempted={"b"}).prompt_of("b") is None

@@ -235,6 +235,10 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             starts = cam.query_start_loc_cpu[: len(rows.req_ids) + 1]
             step = self.contexts.plan(rows.req_ids, rows.prompt_lens, rows.computed,
                                       (starts[1:] - starts[:-1]).tolist(), rows.live, rows.prompt_of)
+            for row, slot, end in step.builds:
+                logger.info("duo squeeze: %s clusters its first %d tokens into slot %d (%d contexts clustered, %d "
+                            "prompts read one clustered before)", rows.req_ids[row], end, slot, self.contexts.built,
+                            self.contexts.shared)
             pad = num_reqs - len(rows.req_ids)
             step = SqueezeStep(step.context_ids + [-1] * pad, step.context_ends + [0] * pad, step.budget + [0] * pad,
                                step.builds)

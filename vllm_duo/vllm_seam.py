@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_duo import BACKEND_NAME, BACKEND_PATH
