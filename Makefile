@@ -35,7 +35,7 @@ NO_ENGINE := $(patsubst %,tests/test_%.py,pattern zigzag scoring compatibility g
 # triton): the modules that meet vLLM where its versions differ (its seams, config checks, scheduler, model runner)
 # run on both, every other module on one of them, NEWEST's on the newest.
 SEAMS := $(patsubst %,tests/test_%.py,vllm_seam compatibility plugin backend_batching prefix_caching squeeze_serving)
-NEWEST := $(patsubst %,tests/test_%.py,bench server tensor_parallel)
+NEWEST := $(patsubst %,tests/test_%.py,bench server)
 
 test: model
 	@$(MAKE) --no-print-directory run-tests MODULES="$(wildcard tests/test_*.py)"
