@@ -904,7 +904,8 @@ def bench_squeeze_decode(fa, rows, out_json):
     against duo with Squeezed Attention on its retrieval heads (vllm_duo/squeeze.py's lookup: centroid scores, then
     the best clusters up to 1/16, 1/8, 1/4 of the keys; the sparse decode over them plus sinks and window), the
     streaming heads beside on a second stream as served. The clusters are random (16 keys per bf16 centroid on
-    average): timing only; equality with duo at a full budget is tests/test_squeeze.py's."""
+    average), then at 1/16 as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
+    equality with duo at a full budget is tests/test_squeeze.py's."""
     from vllm_duo import gpu_attention
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.kernels.clustering import to_csr
@@ -931,12 +932,22 @@ def bench_squeeze_decode(fa, rows, out_json):
         splits = {R: decode_num_splits(batch, R, max_len, DEV) for R in layouts}
         T = context - SINK
         C = triton.cdiv(T, KEYS_PER_CLUSTER)
-        stores = {}
-        for R in layouts:  # random clusters: centroids, and the CSR of a random label per key
-            offsets, positions = to_csr(torch.randint(0, C, (R, T), device=DEV), C, positions_offset=SINK)
-            stores[R] = (torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV),
-                         (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
-                         offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous())
+
+        def clusters(R, labels, centroids):
+            """A store of (centroids, sizes, offsets, positions) for `labels` [R, T], the same for every request."""
+            offsets, positions = to_csr(labels, C, positions_offset=SINK)
+            return (centroids, (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
+                    offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous())
+
+        # random clusters: random centroids, a random label per key. Then two stores as dummy weights may make them:
+        # equal centroids (every cluster in one score band, so every cluster kept) and skewed labels (a key's label
+        # u^4 C for u uniform: the first cluster holds a tenth of the keys)
+        stores = {R: clusters(R, torch.randint(0, C, (R, T), device=DEV),
+                              torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
+        flat = {R: clusters(R, torch.randint(0, C, (R, T), device=DEV),
+                            torch.zeros(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
+        skewed = {R: clusters(R, (torch.rand(R, T, device=DEV) ** 4 * C).long(),
+                              torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
         res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
 
         def choose(scores, offsets, positions, k, banded=True):
@@ -944,10 +955,12 @@ def bench_squeeze_decode(fa, rows, out_json):
             chooser = select_banded if banded else select_positions
             return chooser(scores, offsets, positions, budget, T // k + T // 16)
 
-        def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True):
+        def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
+                 store=stores):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
-            `select` False stops the lookup at the centroid scores; `banded` False selects by sorting."""
+            `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
+            clusters."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -958,7 +971,7 @@ def bench_squeeze_decode(fa, rows, out_json):
                         continue
                     if write:
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
-                    centroids, sizes, offsets, positions = stores[R]
+                    centroids, sizes, offsets, positions = store[R]
 
                     def retrieval():
                         if lookup:
@@ -994,11 +1007,13 @@ def bench_squeeze_decode(fa, rows, out_json):
             res.setdefault("mean_selected", {})[f"1/{k}"] = float(
                 sum(selections[R][1].float().mean() * counts.count(R) for R in selections) / len(counts))
             timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
+        timed("squeeze 1/16, equal centroids (one score band)", step(16, store=flat))
+        timed("squeeze 1/16, skewed clusters", step(16, store=skewed))
         lookup = step(16, write=False, attend=False)
         res["lookup_kernels"] = profile = kernel_profile(capture(lookup), lookup)
         print_kernels(f"{case} lookup at 1/16, kernels", profile)
         results.append(res)
-        del layouts, retrieval_tables, stores
+        del layouts, retrieval_tables, stores, flat, skewed
         torch.cuda.empty_cache()
 
 

@@ -376,11 +376,12 @@ def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr,
                         stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
                         stride_px: tl.int64, stride_ph: tl.int64, stride_br: tl.int64, stride_bh: tl.int64,
                         stride_tr: tl.int64, stride_th: tl.int64, stride_qr: tl.int64, stride_qh: tl.int64,
-                        TILE: tl.constexpr, BLOCK_T: tl.constexpr, GATHER_C: tl.constexpr, COPY_W: tl.constexpr,
+                        TILE: tl.constexpr, BLOCK_T: tl.constexpr, GATHER_C: tl.constexpr, OUT_W: tl.constexpr,
                         CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): the tile's kept clusters' positions, in cluster order, after those of the tiles
-    before it: GATHER_C clusters at a time, each kept cluster's CSR slots copied COPY_W at a time to its place
-    (its first slot: the keys kept before it). Reads only the kept clusters' slots."""
+    before it, GATHER_C clusters at a time: their kept keys are laid out end to end, and OUT_W lanes fill that run
+    OUT_W slots at a time, each lane finding its cluster among the GATHER_C by their running ends, so a large cluster
+    costs what as many small ones do. Reads only the kept clusters' slots, and none past max_selected."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
     if context < 0:
@@ -389,23 +390,27 @@ def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr,
     offs_t = tl.arange(0, BLOCK_T)
     before = tl.load(tile_keys_ptr + req * stride_tr + head * stride_th + offs_t, mask=offs_t < tile, other=0)
     base = tl.sum(before, 0)
+    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
     positions_row = positions_ptr + context * stride_px + head * stride_ph
     selected_row = selected_ptr + req * stride_qr + head * stride_qh
-    offs_w = tl.arange(0, COPY_W)
+    lanes = tl.arange(0, OUT_W)
     for sub in range(TILE // GATHER_C):
         start = tile * TILE + sub * GATHER_C
-        offs_c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context, start, num_clusters,
-                                               stride_sr, stride_sh, stride_ox, stride_oh, GATHER_C)
+        _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context, start, num_clusters,
+                                           stride_sr, stride_sh, stride_ox, stride_oh, GATHER_C)
         kept = tl.where(ok & (band >= cut), size, 0)
-        ends = base + tl.cumsum(kept, 0)
-        dest = ends - kept
-        first = tl.load(offsets_ptr + context * stride_ox + head * stride_oh + offs_c, mask=ok, other=0)
-        for k in range(0, tl.max(kept, 0), COPY_W):
-            j = k + offs_w[None, :]
-            copy = (j < kept[:, None]) & (dest[:, None] + j < max_selected)
-            position = tl.load(positions_row + first[:, None] + j, mask=copy, other=0)
-            tl.store(selected_row + dest[:, None] + j, position, mask=copy)
-        base = tl.max(tl.where(ok, ends, base), 0)
+        ends = tl.cumsum(kept, 0)  # where each cluster's kept keys end in this run
+        room = tl.minimum(tl.sum(kept, 0), max_selected - base)
+        for first_slot in range(0, room, OUT_W):
+            slot = first_slot + lanes
+            passed = ends[None, :] <= slot[:, None]  # [OUT_W, GATHER_C]: clusters that end before each lane
+            cluster = tl.sum(passed.to(tl.int32), 1)  # the lane's cluster: the first that ends after it
+            cluster_start = tl.max(tl.where(passed, ends[None, :], 0), 1)
+            live = slot < room
+            first = tl.load(offsets_row + start + cluster, mask=live, other=0)
+            position = tl.load(positions_row + first + slot - cluster_start, mask=live, other=0)
+            tl.store(selected_row + base + slot, position, mask=live)
+        base += tl.sum(kept, 0)
 
 
 def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
@@ -448,7 +453,8 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         scores, offsets, cluster_positions, contexts, cut, tile_keys, selected, C, tiles,
         max_selected, *common, *cluster_positions.stride()[:2], *cut.stride(), *tile_keys.stride()[:2],
         *selected.stride()[:2],
-        TILE=chunks * block_c, BLOCK_T=triton.next_power_of_2(tiles), GATHER_C=min(block_c, 128), COPY_W=16,
+        TILE=chunks * block_c, BLOCK_T=triton.next_power_of_2(tiles), GATHER_C=min(block_c, 128),
+        OUT_W=min(block_c, 64),
         CONTEXTS=context_ids is not None)
     return selected, counts
 

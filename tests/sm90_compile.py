@@ -139,7 +139,7 @@ def cases():
             yield f"band sizes {tag}", _band_sizes_kernel, model, cache, bands, {}
             yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(BANDS=SCORE_BANDS), {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
-                   dict(TILE=1024, BLOCK_T=64, GATHER_C=128, COPY_W=16, CONTEXTS=True), {})
+                   dict(TILE=1024, BLOCK_T=64, GATHER_C=128, OUT_W=64, CONTEXTS=True), {})
 
 
 def main() -> int:

@@ -287,7 +287,8 @@ def test_select_positions(budget, max_selected, shared, threshold):
 
 @pytest.mark.parametrize("budget, max_selected, shared, C", [
     (10, 40, False, 40), (0, 8, False, 40), (1000, 30, True, 40), ("per_row", 64, True, 40), (25, 12, False, 40),
-    (60, 200, False, 6)])  # clusters of ~50 keys: copied 16 at a time
+    (60, 200, False, 6),  # clusters of ~50 keys, wider than the interpreter's 16 lanes
+    (1000, 100, False, 2)])  # one cluster holds every key (odd ones stay empty), cut at max_selected
 def test_select_banded(budget, max_selected, shared, C):
     """The fast selection: whole score bands from the top until the budget is met, in cluster order; over several
     tiles of clusters (the interpreter's tiles hold 16), with ties, empty clusters and rows cut at max_selected."""
