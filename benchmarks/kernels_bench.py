@@ -953,7 +953,7 @@ def bench_squeeze_decode(fa, rows, out_json):
         def choose(scores, offsets, positions, k, banded=True):
             budget = torch.full(scores.shape[:2], T // k, dtype=torch.int32, device=DEV)
             chooser = select_banded if banded else select_positions
-            return chooser(scores, offsets, positions, budget, T // k + T // 16)
+            return chooser(scores, offsets, positions, budget, T // k + 4 * KEYS_PER_CLUSTER)  # as served
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
                  store=stores):

@@ -4,8 +4,8 @@
 
 Scores come from each request's last query token, reduced over the GQA group by max (a KV head's keys serve all of
 its query heads, so a cluster or page counts if any of them wants it). Two selections of clusters: `select_positions`
-(torch, by sorting: the exact budget, the rule the CPU studies used) and `select_banded` (Triton, by score bands: at
-least the budget, no sort; the one decode serves, 3.7x faster on the H100). Both, and `select_pages`, have fixed
+(torch, by sorting: the best clusters to the budget, the rule the CPU studies used) and `select_banded` (Triton, by
+score bands to the budget, no sort: the one decode serves). Both, and `select_pages`, have fixed
 shapes and no host syncs (CUDA-graph capturable) and emit the `[num_reqs, R, max_selected]` positions and
 `[num_reqs, R]` counts that `sparse_decode_attention` takes.
 """
@@ -347,99 +347,152 @@ def _band_sizes_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, num_c
 
 
 @triton.jit(do_not_specialize=["num_tiles", "max_selected"])
-def _band_cut_kernel(hist_ptr, budget_ptr, cut_ptr, tile_keys_ptr, counts_ptr, num_tiles, max_selected,
+def _band_cut_kernel(hist_ptr, budget_ptr, cut_ptr, row_keys_ptr, tile_keys_ptr, counts_ptr, num_tiles, max_selected,
                      stride_hr: tl.int64, stride_hh: tl.int64, stride_ht: tl.int64, stride_br: tl.int64,
                      stride_bh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64, BANDS: tl.constexpr):
-    """Grid (num_reqs, R): from the tiles' histograms, the row's cut, the highest band whose keys and those of every
-    band above reach the budget (0: every band), the keys taken (at most max_selected), and the keys each tile
-    keeps."""
+    """Grid (num_reqs, R): from the tiles' histograms, the row's cut band (the highest whose keys and those of every
+    band above reach the budget; 0: none does), the keys above it and those the cut band must add (`row_keys`), each
+    tile's keys above the cut and in it (`tile_keys`), and the count were the cut band's clusters all too few to
+    meet the budget (`_band_ends_kernel` writes it where one of them meets it)."""
     req, head = tl.program_id(0), tl.program_id(1)
     bands = tl.arange(0, BANDS)
     hist_rows = hist_ptr + req * stride_hr + head * stride_hh
     hist = tl.zeros([BANDS], tl.int32)
     for tile in range(num_tiles):
         hist += tl.load(hist_rows + tile * stride_ht + bands)
-    above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys in this band and every band above
+    from_band = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys in this band and every band above
     budget = tl.load(budget_ptr + req * stride_br + head * stride_bh)
-    cut = tl.max(tl.where(above >= budget, bands, 0), 0)
-    taken = tl.sum(tl.where(bands >= cut, hist, 0), 0)
-    tl.store(cut_ptr + req * stride_br + head * stride_bh, cut)
-    tl.store(counts_ptr + req * stride_br + head * stride_bh, tl.minimum(taken, max_selected))
+    cut = tl.max(tl.where(from_band >= budget, bands, 0), 0)
+    above = tl.sum(tl.where(bands > cut, hist, 0), 0)
+    in_cut = tl.sum(tl.where(bands == cut, hist, 0), 0)
+    need = budget - above
+    row = req * stride_br + head * stride_bh
+    tl.store(cut_ptr + row, cut)
+    tl.store(row_keys_ptr + 2 * row, above)
+    tl.store(row_keys_ptr + 2 * row + 1, need)
+    tl.store(counts_ptr + row, tl.minimum(above + tl.where(in_cut < need, in_cut, 0), max_selected))
+    tile_row = tile_keys_ptr + req * stride_tr + head * stride_th
     for tile in range(num_tiles):
-        kept = tl.where(bands >= cut, tl.load(hist_rows + tile * stride_ht + bands), 0)
-        tl.store(tile_keys_ptr + req * stride_tr + head * stride_th + tile, tl.sum(kept, 0))
+        tile_hist = tl.load(hist_rows + tile * stride_ht + bands)
+        tl.store(tile_row + 2 * tile, tl.sum(tl.where(bands > cut, tile_hist, 0), 0))
+        tl.store(tile_row + 2 * tile + 1, tl.sum(tl.where(bands == cut, tile_hist, 0), 0))
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
-def _band_gather_kernel(scores_ptr, offsets_ptr, positions_ptr, context_ids_ptr, cut_ptr, tile_keys_ptr,
-                        selected_ptr, num_clusters, num_tiles, max_selected,
-                        stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
-                        stride_px: tl.int64, stride_ph: tl.int64, stride_br: tl.int64, stride_bh: tl.int64,
-                        stride_tr: tl.int64, stride_th: tl.int64, stride_qr: tl.int64, stride_qh: tl.int64,
-                        TILE: tl.constexpr, BLOCK_T: tl.constexpr, GATHER_C: tl.constexpr, OUT_W: tl.constexpr,
-                        CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, tiles): the tile's kept clusters' positions, in cluster order, after those of the tiles
-    before it, GATHER_C clusters at a time: their kept keys are laid out end to end, and OUT_W lanes fill that run
-    OUT_W slots at a time, each lane finding its cluster among the GATHER_C by their running ends, so a large cluster
-    costs what as many small ones do. Reads only the kept clusters' slots, and none past max_selected."""
+def _band_ends_kernel(scores_ptr, offsets_ptr, context_ids_ptr, cut_ptr, row_keys_ptr, tile_keys_ptr, ends_ptr,
+                      counts_ptr, num_clusters, num_tiles, max_selected,
+                      stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
+                      stride_br: tl.int64, stride_bh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
+                      stride_er: tl.int64, stride_eh: tl.int64, stride_es: tl.int64,
+                      BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr,
+                      CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, tiles): for each cluster of the tile, where its keys end in the row's two runs, inclusive
+    running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above the cut, `ends[.., 1, c]`
+    of the sizes in the cut band. The cut band's clusters are taken while the keys before them are fewer than the
+    row's need, so its run ends at the first that meets it: the program holding that one writes the count."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
     if context < 0:
         return
-    cut = tl.load(cut_ptr + req * stride_br + head * stride_bh)
+    row = req * stride_br + head * stride_bh
+    cut = tl.load(cut_ptr + row)
+    above_all = tl.load(row_keys_ptr + 2 * row)
+    need = tl.load(row_keys_ptr + 2 * row + 1)
     offs_t = tl.arange(0, BLOCK_T)
-    before = tl.load(tile_keys_ptr + req * stride_tr + head * stride_th + offs_t, mask=offs_t < tile, other=0)
-    base = tl.sum(before, 0)
+    tile_row = tile_keys_ptr + req * stride_tr + head * stride_th
+    base_above = tl.sum(tl.load(tile_row + 2 * offs_t, mask=offs_t < tile, other=0), 0)
+    base_cut = tl.sum(tl.load(tile_row + 2 * offs_t + 1, mask=offs_t < tile, other=0), 0)
+    ends_row = ends_ptr + req * stride_er + head * stride_eh
+    for chunk in range(TILE_CHUNKS):
+        offs_c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
+                                               (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr,
+                                               stride_sh, stride_ox, stride_oh, BLOCK_C)
+        above = tl.where(ok & (band > cut), size, 0)
+        in_cut = tl.where(ok & (band == cut), size, 0)
+        above_ends = base_above + tl.cumsum(above, 0)
+        cut_ends = base_cut + tl.cumsum(in_cut, 0)
+        tl.store(ends_row + offs_c, above_ends, mask=ok)
+        tl.store(ends_row + stride_es + offs_c, cut_ends, mask=ok)
+        meets = (in_cut > 0) & (cut_ends - in_cut < need) & (cut_ends >= need)  # at most one in the row
+        tl.store(counts_ptr + row + 0 * offs_c, tl.minimum(above_all + cut_ends, max_selected), mask=meets)
+        base_above += tl.sum(above, 0)
+        base_cut += tl.sum(in_cut, 0)
+
+
+@triton.jit(do_not_specialize=["num_clusters", "max_selected"])
+def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, row_keys_ptr, ends_ptr, counts_ptr, selected_ptr,
+                        num_clusters, max_selected,
+                        stride_ox: tl.int64, stride_oh: tl.int64, stride_px: tl.int64, stride_ph: tl.int64,
+                        stride_br: tl.int64, stride_bh: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
+                        stride_es: tl.int64, stride_qr: tl.int64, stride_qh: tl.int64,
+                        OUT_W: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, cdiv(max_selected, OUT_W)): OUT_W output slots, each finding its cluster by a binary search
+    of the run's ends (the first cluster whose keys end after the slot) and copying that key's position; slots past
+    the count get 0. Every slot costs the same whatever the clusters' sizes and scores."""
+    req, head = tl.program_id(0), tl.program_id(1)
+    slot = tl.program_id(2) * OUT_W + tl.arange(0, OUT_W)
+    row = req * stride_br + head * stride_bh
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
+    count = tl.where(context >= 0, tl.load(counts_ptr + row), 0)
+    context = tl.maximum(context, 0)
+    live = slot < count
+    above = tl.load(row_keys_ptr + 2 * row)
+    in_cut = slot >= above
+    target = tl.where(in_cut, slot - above, slot)  # the slot's place in its run
+    ends_row = ends_ptr + req * stride_er + head * stride_eh + in_cut.to(tl.int64) * stride_es
+    low = tl.zeros_like(slot)
+    high = tl.where(live, num_clusters, 0)
+    for _ in range(SEARCH_STEPS):
+        searching = low < high
+        mid = (low + high) // 2
+        end = tl.load(ends_row + mid, mask=searching, other=0)
+        right = end <= target
+        low = tl.where(searching & right, mid + 1, low)
+        high = tl.where(searching & ~right, mid, high)
     offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
-    positions_row = positions_ptr + context * stride_px + head * stride_ph
-    selected_row = selected_ptr + req * stride_qr + head * stride_qh
-    lanes = tl.arange(0, OUT_W)
-    for sub in range(TILE // GATHER_C):
-        start = tile * TILE + sub * GATHER_C
-        _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context, start, num_clusters,
-                                           stride_sr, stride_sh, stride_ox, stride_oh, GATHER_C)
-        kept = tl.where(ok & (band >= cut), size, 0)
-        ends = tl.cumsum(kept, 0)  # where each cluster's kept keys end in this run
-        room = tl.minimum(tl.sum(kept, 0), max_selected - base)
-        for first_slot in range(0, room, OUT_W):
-            slot = first_slot + lanes
-            passed = ends[None, :] <= slot[:, None]  # [OUT_W, GATHER_C]: clusters that end before each lane
-            cluster = tl.sum(passed.to(tl.int32), 1)  # the lane's cluster: the first that ends after it
-            cluster_start = tl.max(tl.where(passed, ends[None, :], 0), 1)
-            live = slot < room
-            first = tl.load(offsets_row + start + cluster, mask=live, other=0)
-            position = tl.load(positions_row + first + slot - cluster_start, mask=live, other=0)
-            tl.store(selected_row + base + slot, position, mask=live)
-        base += tl.sum(kept, 0)
+    first = tl.load(offsets_row + low, mask=live, other=0)
+    size = tl.load(offsets_row + low + 1, mask=live, other=0) - first
+    end = tl.load(ends_row + low, mask=live, other=0)
+    position = tl.load(positions_ptr + context * stride_px + head * stride_ph + first + size - (end - target),
+                       mask=live, other=0)
+    tl.store(selected_ptr + req * stride_qr + head * stride_qh + slot, tl.where(live, position, 0),
+             mask=slot < max_selected)
 
 
 def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
                   budget: torch.Tensor, max_selected: int,
                   context_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_positions` in three launches over tiles of clusters, with the budget met a score band at a time:
-    every cluster whose score band (SCORE_BANDS: scores within 12.5% share one) is at or above the row's cut, the
-    highest band at which the keys of the bands from there up reach the budget (every band if none does). So a row
-    takes at least its budget, and at most the budget plus the keys of the cut band; positions in cluster order.
+    """`select_positions` without a sort, the budget met a score band at a time (SCORE_BANDS: scores within 12.5%
+    share one): every cluster of the bands above the row's cut, the highest band whose keys and those of every band
+    above reach the budget, then the cut band's clusters in cluster order while the keys taken are fewer than the
+    budget (every band, all of them, if the budget is never met). So a row takes its budget and at most one
+    cluster more, like `select_positions`, but from the best bands rather than the best clusters; positions
+    of the clusters above the cut in cluster order, then those of the cut band's.
 
-        bands of clusters 0, 1, 2: 7, 9, 8 (higher is better), sizes 3, 5, 2, budget 6: from band 9 down, 5 keys
-        (band 9), 7 keys (band 8 too): cut 8, clusters 1 and 2, count 7
+        bands of clusters 0, 1, 2, 3: 7, 9, 8, 8 (higher is better), sizes 3, 5, 2, 4, budget 8: band 9 holds 5
+        keys, bands 8 and up 11: cut 8, need 3: cluster 1, then cluster 2 (0 before it < 3), cluster 3 (2 < 3);
+        positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
+
+    Four launches: band histograms per tile of clusters, the cut per row, the running ends of the two runs per tile,
+    then the positions, each output slot finding its cluster by a binary search of those ends.
 
     Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers; a negative context id selects
-    nothing); no threshold. Sorts nothing: one pass over the scores, one over the tiles' band histograms, one over
-    the kept clusters' positions.
+    nothing); no threshold.
     """
     num_reqs, R, C = scores.shape
     device = scores.device
-    selected = torch.zeros(num_reqs, R, max_selected, dtype=torch.int32, device=device)
+    selected = torch.empty(num_reqs, R, max_selected, dtype=torch.int32, device=device)
     counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=device)
     if num_reqs == 0 or R == 0 or C == 0:
-        return selected, counts
+        return selected.zero_(), counts
     block_c = 1024 if device.type == "cuda" else 16
     chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
     hist = torch.zeros(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device)
     budget = budget.to(torch.int32).expand(num_reqs, R).contiguous()
     cut = torch.empty(num_reqs, R, dtype=torch.int32, device=device)
-    tile_keys = torch.empty(num_reqs, R, tiles, dtype=torch.int32, device=device)
+    row_keys = torch.empty(num_reqs, R, 2, dtype=torch.int32, device=device)  # keys above the cut, keys it must add
+    tile_keys = torch.empty(num_reqs, R, tiles, 2, dtype=torch.int32, device=device)  # per tile: above, in the cut
+    ends = torch.empty(num_reqs, R, 2, C, dtype=torch.int32, device=device)
     contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
     offsets = cluster_offsets.to(torch.int32)
     common = (*scores.stride()[:2], *offsets.stride()[:2])
@@ -447,15 +500,17 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         scores, offsets, contexts, hist, C, *common, *hist.stride()[:3],
         BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=context_ids is not None)
     _band_cut_kernel[(num_reqs, R)](
-        hist, budget, cut, tile_keys, counts, tiles, max_selected, *hist.stride()[:3], *budget.stride(),
+        hist, budget, cut, row_keys, tile_keys, counts, tiles, max_selected, *hist.stride()[:3], *budget.stride(),
         *tile_keys.stride()[:2], BANDS=SCORE_BANDS)
-    _band_gather_kernel[(num_reqs, R, tiles)](
-        scores, offsets, cluster_positions, contexts, cut, tile_keys, selected, C, tiles,
-        max_selected, *common, *cluster_positions.stride()[:2], *cut.stride(), *tile_keys.stride()[:2],
-        *selected.stride()[:2],
-        TILE=chunks * block_c, BLOCK_T=triton.next_power_of_2(tiles), GATHER_C=min(block_c, 128),
-        OUT_W=min(block_c, 64),
-        CONTEXTS=context_ids is not None)
+    _band_ends_kernel[(num_reqs, R, tiles)](
+        scores, offsets, contexts, cut, row_keys, tile_keys, ends, counts, C, tiles, max_selected, *common,
+        *budget.stride(), *tile_keys.stride()[:2], *ends.stride()[:3],
+        BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles), CONTEXTS=context_ids is not None)
+    out_w = 1024 if device.type == "cuda" else 16
+    _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
+        offsets, cluster_positions, contexts, row_keys, ends, counts, selected, C, max_selected,
+        *offsets.stride()[:2], *cluster_positions.stride()[:2], *budget.stride(), *ends.stride()[:3],
+        *selected.stride()[:2], OUT_W=out_w, SEARCH_STEPS=C.bit_length(), CONTEXTS=context_ids is not None)
     return selected, counts
 
 

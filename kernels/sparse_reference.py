@@ -133,8 +133,9 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
                   budget: torch.Tensor, max_selected: int,
                   context_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`selection.select_banded`, row by row: the keys per score band (float32 bits >> 20), the highest band from
-    which the keys of it and every band above reach the budget (band 0 if none), then every cluster of a band at or
-    above it, in cluster order; cut at max_selected; nothing for a request without a context."""
+    which the keys of it and every band above reach the budget (band 0 if none), every cluster of a band above it in
+    cluster order, then the cut band's clusters in cluster order while the keys taken are fewer than the budget; cut
+    at max_selected; nothing for a request without a context."""
     num_reqs, R, C = scores.shape
     selected = torch.zeros(num_reqs, R, max_selected, dtype=torch.int32, device=scores.device)
     counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=scores.device)
@@ -147,10 +148,16 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
             keys_in = torch.zeros(2048, dtype=torch.long).index_add_(0, bands[i, r].cpu(), sizes)  # every band
             keys_from = keys_in.flip(0).cumsum(0).flip(0)  # keys in a band and every band above
             cut = max([band for band in range(2048) if keys_from[band] >= int(budget[i, r])], default=0)
-            taken = [p for c in range(C) if bands[i, r, c] >= cut
-                     for p in cluster_positions[context, r, offsets[c]:offsets[c + 1]].tolist()][:max_selected]
-            selected[i, r, :len(taken)] = torch.tensor(taken, dtype=torch.int32)
-            counts[i, r] = len(taken)
+            clusters = [c for c in range(C) if bands[i, r, c] > cut]
+            taken = sum(int(sizes[c]) for c in clusters)
+            for c in range(C):
+                if bands[i, r, c] == cut and sizes[c] > 0 and taken < int(budget[i, r]):
+                    clusters.append(c)
+                    taken += int(sizes[c])
+            kept = [p for c in clusters for p in cluster_positions[context, r, offsets[c]:offsets[c + 1]].tolist()]
+            kept = kept[:max_selected]
+            selected[i, r, :len(kept)] = torch.tensor(kept, dtype=torch.int32)
+            counts[i, r] = len(kept)
     return selected, counts
 
 

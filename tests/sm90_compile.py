@@ -26,9 +26,9 @@ from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.selection import (SCORE_BANDS, _band_cut_kernel, _band_gather_kernel, _band_sizes_kernel,
-                                         _centroid_logits_kernel, _centroid_scores_kernel, _page_scores_kernel,
-                                         _score_tiles)
+from vllm_duo.kernels.selection import (SCORE_BANDS, _band_cut_kernel, _band_ends_kernel, _band_gather_kernel,
+                                         _band_sizes_kernel, _centroid_logits_kernel, _centroid_scores_kernel,
+                                         _page_scores_kernel, _score_tiles)
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -138,8 +138,9 @@ def cases():
             bands = dict(BLOCK_C=1024, TILE_CHUNKS=1, CONTEXTS=True)
             yield f"band sizes {tag}", _band_sizes_kernel, model, cache, bands, {}
             yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(BANDS=SCORE_BANDS), {}
+            yield f"band ends {tag}", _band_ends_kernel, model, cache, dict(bands, BLOCK_T=64), {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
-                   dict(TILE=1024, BLOCK_T=64, GATHER_C=128, OUT_W=64, CONTEXTS=True), {})
+                   dict(OUT_W=1024, SEARCH_STEPS=14, CONTEXTS=True), {})
 
 
 def main() -> int:

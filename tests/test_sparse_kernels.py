@@ -285,17 +285,20 @@ def test_select_positions(budget, max_selected, shared, threshold):
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
 
 
-@pytest.mark.parametrize("budget, max_selected, shared, C", [
-    (10, 40, False, 40), (0, 8, False, 40), (1000, 30, True, 40), ("per_row", 64, True, 40), (25, 12, False, 40),
-    (60, 200, False, 6),  # clusters of ~50 keys, wider than the interpreter's 16 lanes
-    (1000, 100, False, 2)])  # one cluster holds every key (odd ones stay empty), cut at max_selected
-def test_select_banded(budget, max_selected, shared, C):
-    """The fast selection: whole score bands from the top until the budget is met, in cluster order; over several
-    tiles of clusters (the interpreter's tiles hold 16), with ties, empty clusters and rows cut at max_selected."""
+@pytest.mark.parametrize("budget, max_selected, shared, C, one_band", [
+    (10, 40, False, 40, False), (0, 8, False, 40, False), (1000, 30, True, 40, False),
+    ("per_row", 64, True, 40, False), (25, 12, False, 40, False),
+    (60, 200, False, 6, False),  # clusters of ~50 keys, wider than the interpreter's 16 lanes
+    (1000, 100, False, 2, False),  # one cluster holds every key (odd ones stay empty), cut at max_selected
+    (50, 200, True, 40, True)])  # every score equal (dummy weights): the budget taken in cluster order
+def test_select_banded(budget, max_selected, shared, C, one_band):
+    """The fast selection: the score bands above the cut whole, the cut band's clusters in cluster order until the
+    budget is met; over several tiles of clusters (the interpreter's tiles hold 16), with ties, empty clusters and
+    rows cut at max_selected. A row takes its budget (or every key there is) and less than one cluster more."""
     num_reqs, R = 4, 3
     lengths = [150, 7, 93, 164]
     offsets, positions = clustered(2 if shared else num_reqs, R, lengths, C)
-    scores = torch.rand(num_reqs, R, C) ** 4
+    scores = torch.full((num_reqs, R, C), 0.01) if one_band else torch.rand(num_reqs, R, C) ** 4
     scores[0, 0, :4] = 0.05
     budget = (torch.randint(0, 90, (num_reqs, R), dtype=torch.int32) if budget == "per_row"
               else torch.full((num_reqs, R), budget, dtype=torch.int32))
@@ -304,10 +307,13 @@ def test_select_banded(budget, max_selected, shared, C):
     expected = ref.select_banded(scores, offsets, positions, budget, max_selected,
                                  None if contexts is None else contexts.tolist())
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
-    taken = ref.select_positions(scores, offsets, positions, budget, 10 ** 6,
-                                 None if contexts is None else contexts.clamp(min=0).tolist())[1]
+    context = torch.arange(num_reqs) if contexts is None else contexts.clamp(min=0).long()
+    there = offsets[context, :, -1]  # [num_reqs, R] keys of each row's context
+    largest = (offsets[..., 1:] - offsets[..., :-1]).amax(-1)[context]
     read = torch.ones(num_reqs, dtype=torch.bool) if contexts is None else contexts >= 0
-    assert (got[1][read] >= torch.minimum(taken, torch.tensor(max_selected))[read]).all()  # never fewer than exact
+    least = torch.minimum(torch.minimum(budget, there), torch.tensor(max_selected))
+    assert (got[1][read] >= least[read]).all()
+    assert (got[1][read] <= torch.maximum(budget + largest - 1, torch.zeros(()))[read]).all()
     assert (got[1][~read] == 0).all()
 
 

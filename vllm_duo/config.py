@@ -49,10 +49,10 @@ class SqueezeSettings(BaseModel):
         return max(1, math.ceil(num_keys / self.keys_per_cluster))
 
     def max_selected(self) -> int:
-        """Positions a row's selection holds: the budget of the longest context, with room for the band above it
-        (`select_banded` takes whole score bands: +15% at 1/16 with random clusters)."""
+        """Positions a row's selection holds: the budget of the longest context, with room for the cluster that meets
+        it (`select_banded` takes less than one cluster more than the budget) up to 4 average clusters."""
         T = self.max_context_len
-        return min(T, 2 * math.ceil(self.budget * T) + self.keys_per_cluster)
+        return min(T, math.ceil(self.budget * T) + 4 * self.keys_per_cluster)
 
     def summary(self, sink: int, slot_bytes: int) -> str:
         return (f"duo squeeze: retrieval heads of prompts of {self.min_context_len} to {self.max_context_len + sink} "
