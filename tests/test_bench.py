@@ -67,7 +67,7 @@ def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     assert "## tiny" in report and "| duo s=0.5 |" in report and "duo/dense" in report
     assert "(plots/maximum_concurrency_vs_sparsity.png)" in report
     assert (out / "plots" / "maximum_concurrency_vs_sparsity.png").stat().st_size > 0
-    assert elapsed < 180, f"the tiny bench took {elapsed:.0f} s"
+    assert elapsed < 300, f"the tiny bench took {elapsed:.0f} s"  # 140 s alone on 2 cores, 190 beside another test
 
 
 def test_tiny_zigzag_on_cpu(smollm2_dir, tmp_path, subprocess_env):
