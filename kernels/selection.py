@@ -352,8 +352,8 @@ def _band_cut_kernel(hist_ptr, budget_ptr, cut_ptr, row_keys_ptr, tile_keys_ptr,
                      stride_bh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64, BANDS: tl.constexpr):
     """Grid (num_reqs, R): from the tiles' histograms, the row's cut band (the highest whose keys and those of every
     band above reach the budget; 0: none does), the keys above it and those the cut band must add (`row_keys`), each
-    tile's keys above the cut and in it (`tile_keys`), and the count were the cut band's clusters all too few to
-    meet the budget (`_band_ends_kernel` writes it where one of them meets it)."""
+    tile's keys above the cut and in it (`tile_keys`), and the count for a row where no cluster of the cut band meets
+    the budget (all of them taken, or none needed); `_band_ends_kernel` writes the count where one does."""
     req, head = tl.program_id(0), tl.program_id(1)
     bands = tl.arange(0, BANDS)
     hist_rows = hist_ptr + req * stride_hr + head * stride_hh

@@ -8,7 +8,8 @@ per centroid on average, Squeezed Attention's n/16), and the context keeps per h
 the CSR of positions per cluster. At decode each request scores its query against its context's centroids
 (kernels/selection.py, the paper's Eq. 1, max over the GQA group), takes clusters from the best score band down
 until their keys fill `budget` of the clustered positions (`select_banded`: bands of 12.5% in score, no sort; in the
-band that meets the budget, its clusters in cluster order until it is met), and attends exactly over those keys plus the sinks and the recent window (kernels/sparse_decode.py):
+band that meets the budget, its clusters in cluster order until it is met), and attends exactly over those keys plus
+the sinks and the recent window (kernels/sparse_decode.py):
 
     prompt of 4,096 tokens, sink 64, recent 256, keys_per_cluster 16, budget 0.25
     clustered positions  [64, 4,096)                  -> 252 clusters per retrieval KV head
@@ -297,8 +298,8 @@ class ClusteredContexts:
                max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions each decoding request's retrieval heads read beyond the sinks and window: its context's
         best score bands of clusters (`context_ids` `[num_reqs]` int32 slots) to `budget` `[num_reqs]` keys (less
-        than one cluster more), cut at `max_selected` -> selected `[num_reqs, R, max_selected]` int32, num_selected `[num_reqs, R]`
-        int32."""
+        than one cluster more), cut at `max_selected` -> selected `[num_reqs, R, max_selected]` int32, num_selected
+        `[num_reqs, R]` int32."""
         R = heads.num_retrieval
         scores = centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
                                  context_ids)
