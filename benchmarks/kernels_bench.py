@@ -908,6 +908,7 @@ def bench_squeeze_decode(fa, rows, out_json):
     equality with duo at a full budget is tests/test_squeeze.py's."""
     from vllm_duo import gpu_attention
     from vllm_duo.kernels.attention import triton_attention
+    from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
     from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
@@ -953,7 +954,8 @@ def bench_squeeze_decode(fa, rows, out_json):
         def choose(scores, offsets, positions, k, banded=True):
             budget = torch.full(scores.shape[:2], T // k, dtype=torch.int32, device=DEV)
             chooser = select_banded if banded else select_positions
-            return chooser(scores, offsets, positions, budget, T // k + 4 * KEYS_PER_CLUSTER)  # as served
+            served = SqueezeSettings(budget=1 / k, keys_per_cluster=KEYS_PER_CLUSTER, max_context_len=T)
+            return chooser(scores, offsets, positions, budget, served.max_selected())
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
                  store=stores):
