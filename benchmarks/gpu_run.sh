@@ -193,6 +193,9 @@ json.dump(c, open(p, 'w'), indent=1)"
     # issue 33: decode steps with Squeezed Attention's lookup and sparse decode against duo's (kernels, no engine)
     squeeze_bench) timeout 400 python3 benchmarks/kernels_bench.py --squeeze-decode 2>&1 \
         | tee "$OUT/kernels_bench_squeeze.log" | tail -40 ;;
+    # issue 33: the lookup's and the sparse decode's launch settings swept at 4 x 128k, 1/16 (each part alone, then whole)
+    squeeze_sweep) timeout 500 python3 benchmarks/kernels_bench.py --squeeze-sweep 2>&1 \
+        | tee "$OUT/kernels_bench_squeeze_sweep.log" | tail -40 ;;
     # issue 33: the cost of clustering one context's retrieval keys (Llama-3.1-8B's 128 heads, 16k-128k keys)
     cluster_bench) timeout 400 python3 benchmarks/cluster_bench.py 2>&1 | tee "$OUT/cluster_bench.log" | tail -20 ;;
     sparse_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_kernels.py \

@@ -34,13 +34,19 @@ the torch profiler's kernels of both steps.
 squeeze decode (`--squeeze-decode`, issue 33): the same steps at 4 x 64k and 4 x 128k over an fp8 cache, duo as served
 against duo with Squeezed Attention's lookup and sparse decode on its retrieval heads at budgets 1/16, 1/8 and 1/4 of
 the keys (random clusters: timing only), each step whole, its lookup alone and its sparse decode alone.
+`--squeeze-sweep`: at 4 x 128k and 1/16 only, the launch settings of the lookup (clusters per band-kernel chunk,
+output slots per gather program) and of the sparse decode (splits, shortest split, key tile, pipeline stages), each
+part alone, then whole steps with settings combined.
 
-Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode]
-(results: $OUT/kernels_bench[_fp8|_mixed|_long_decode|_squeeze_decode].json, or benchmarks/results/ without $OUT).
+Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode
+| --squeeze-sweep]
+(results: $OUT/kernels_bench[_fp8|_mixed|_long_decode|_squeeze_decode|_squeeze_sweep].json, or benchmarks/results/
+without $OUT).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -899,14 +905,27 @@ SQUEEZE_BUDGETS = (16, 8, 4)  # 1/k of the clustered keys read beyond the sinks 
 KEYS_PER_CLUSTER = 16
 
 
-def bench_squeeze_decode(fa, rows, out_json):
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    """`module.name` set to `value` inside the block (a launch setting read when a graph is captured)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     """Issue 33's decode step at batch 4 x 64k / 128k over an fp8 cache, 32 layers in one CUDA graph: duo as served
     against duo with Squeezed Attention on its retrieval heads (vllm_duo/squeeze.py's lookup: centroid scores, then
     the best clusters up to 1/16, 1/8, 1/4 of the keys; the sparse decode over them plus sinks and window), the
     streaming heads beside on a second stream as served. The clusters are random (16 keys per bf16 centroid on
     average), then at 1/16 as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
-    equality with duo at a full budget is tests/test_squeeze.py's."""
+    equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, with the launch
+    settings of the lookup and the sparse decode varied (`--squeeze-sweep`)."""
     from vllm_duo import gpu_attention
+    from vllm_duo.kernels import selection, sparse_decode
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
@@ -919,7 +938,7 @@ def bench_squeeze_decode(fa, rows, out_json):
     out_json["squeeze_decode"] = results
     one = torch.ones((), dtype=torch.float32, device=DEV)
     quant = KVQuant(one, one, one)
-    for batch, context in SQUEEZE_SHAPES:
+    for batch, context in SQUEEZE_SHAPES[-1:] if sweep else SQUEEZE_SHAPES:
         case = f"fp8 {batch}x{context // 1024}k"
         max_len = context + 1024
         seq_lens = [context] * batch
@@ -958,11 +977,11 @@ def bench_squeeze_decode(fa, rows, out_json):
             return chooser(scores, offsets, positions, budget, served.max_selected())
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
-                 store=stores):
+                 store=stores, splits=None, min_split=None):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
-            clusters."""
+            clusters; `splits`, `min_split` the sparse decode's (default as served)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -985,7 +1004,8 @@ def bench_squeeze_decode(fa, rows, out_json):
                             selected = selections[R]
                         if attend:
                             sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
-                                                    quant=quant, checked=True)
+                                                    max_num_splits=splits, quant=quant, checked=True,
+                                                    min_split=min_split)
                     streaming = functools.partial(triton_attention, query, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                   out, 1, splits[R], d.cache, quant, streaming_only=True)
                     if write and d.heads.num_streaming:
@@ -996,16 +1016,44 @@ def bench_squeeze_decode(fa, rows, out_json):
 
         timed = functools.partial(timed_graph, res, rows, case)
 
+        def selections_at(k):
+            """Each layer width's selection at 1/k, made beforehand (for the sparse decode alone)."""
+            chosen = {}
+            for R, (centroids, sizes, offsets, positions) in stores.items():
+                scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE)
+                chosen[R] = choose(scores, offsets, positions, k)
+            return chosen
+
+        if sweep:
+            timed("duo", step())
+            timed("squeeze 1/16", step(16))
+            for band, slots in ((1024, 1024), (1024, 256), (1024, 128), (256, 1024), (256, 256), (256, 128)):
+                with patched(selection, "BAND_CLUSTERS", band), patched(selection, "GATHER_SLOTS", slots):
+                    timed(f"lookup only, band chunk {band}, gather slots {slots}", step(16, write=False, attend=False))
+            selections = selections_at(16)
+            for splits, min_split in ((None, None), (64, 128), (128, 128), (128, 64), (256, 64), (32, 256)):
+                timed(f"sparse decode only, splits {splits or 'served'}, shortest {min_split or 'served'}",
+                      step(16, write=False, lookup=False, selections=selections, splits=splits, min_split=min_split))
+            for tiles in ((64, 256, 2), (64, 256, 4), (32, 64, 3), (32, 128, 3)):
+                for splits in (None, 128):
+                    with patched(sparse_decode, "decode_tiles", lambda head_dim, device, tiles=tiles: tiles):
+                        timed(f"sparse decode only, tile {tiles[0]} shortest {tiles[1]} stages {tiles[2]}, "
+                              f"splits {splits or 'served'}",
+                              step(16, write=False, lookup=False, selections=selections, splits=splits))
+            for band, slots, splits, min_split in ((1024, 256, 128, 128), (256, 256, 128, 128), (1024, 128, 128, 64)):
+                with patched(selection, "BAND_CLUSTERS", band), patched(selection, "GATHER_SLOTS", slots):
+                    timed(f"squeeze 1/16, band chunk {band}, gather slots {slots}, splits {splits} "
+                          f"shortest {min_split}", step(16, splits=splits, min_split=min_split))
+            results.append(res)
+            continue
+
         timed("duo", step())
         timed("centroid scores only", step(16, write=False, attend=False, select=False))
         timed("lookup with the sorting selection, 1/16", step(16, write=False, attend=False, banded=False))
         for k in SQUEEZE_BUDGETS:
             timed(f"squeeze 1/{k}", step(k))
             timed(f"squeeze 1/{k}: lookup only", step(k, write=False, attend=False))
-            selections = {}
-            for R, (centroids, sizes, offsets, positions) in stores.items():
-                scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE)
-                selections[R] = choose(scores, offsets, positions, k)
+            selections = selections_at(k)
             res.setdefault("mean_selected", {})[f"1/{k}"] = float(
                 sum(selections[R][1].float().mean() * counts.count(R) for R in selections) / len(counts))
             timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
@@ -1051,6 +1099,8 @@ def main():
         parts = (("long_decode", bench_long_decode),)
     elif "--squeeze-decode" in sys.argv:
         parts = (("squeeze_decode", bench_squeeze_decode),)
+    elif "--squeeze-sweep" in sys.argv:
+        parts = (("squeeze_decode", functools.partial(bench_squeeze_decode, sweep=True)),)
     else:
         parts = (("decode", bench_decode), ("prefill", bench_prefill))
     for name, fn in parts:
@@ -1064,7 +1114,8 @@ def main():
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
     suffix = next((s for flag, s in (("--fp8", "_fp8"), ("--mixed", "_mixed"), ("--long-decode", "_long_decode"),
-                                     ("--squeeze-decode", "_squeeze_decode")) if flag in sys.argv), "")
+                                     ("--squeeze-decode", "_squeeze_decode"), ("--squeeze-sweep", "_squeeze_sweep"))
+                   if flag in sys.argv), "")
     result_file = target / f"kernels_bench{suffix}.json"
     result_file.write_text(json.dumps(out_json, indent=2))
 

@@ -308,6 +308,8 @@ def select_positions(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluste
 
 
 SCORE_BANDS = 2048  # a score's band: its float32 bits >> 20 (exponent and 3 mantissa bits, bands of 12.5%)
+BAND_CLUSTERS = 1024  # clusters per chunk of the band kernels on a GPU
+GATHER_SLOTS = 1024  # output slots per gather program on a GPU
 
 
 @triton.jit
@@ -485,7 +487,7 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
     counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=device)
     if num_reqs == 0 or R == 0 or C == 0:
         return selected.zero_(), counts
-    block_c = 1024 if device.type == "cuda" else 16
+    block_c = BAND_CLUSTERS if device.type == "cuda" else 16
     chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
     hist = torch.zeros(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device)
     budget = budget.to(torch.int32).expand(num_reqs, R).contiguous()
@@ -506,7 +508,7 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
         scores, offsets, contexts, cut, row_keys, tile_keys, ends, counts, C, tiles, max_selected, *common,
         *budget.stride(), *tile_keys.stride()[:2], *ends.stride()[:3],
         BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles), CONTEXTS=context_ids is not None)
-    out_w = 1024 if device.type == "cuda" else 16
+    out_w = GATHER_SLOTS if device.type == "cuda" else 16
     _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
         offsets, cluster_positions, contexts, row_keys, ends, counts, selected, C, max_selected,
         *offsets.stride()[:2], *cluster_positions.stride()[:2], *budget.stride(), *ends.stride()[:3],
