@@ -977,7 +977,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             return chooser(scores, offsets, positions, budget, served.max_selected())
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
-                 store=stores, splits=None, min_split=None):
+                 store=stores, sparse_splits=None, min_split=None):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
@@ -1004,7 +1004,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                             selected = selections[R]
                         if attend:
                             sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
-                                                    max_num_splits=splits, quant=quant, checked=True,
+                                                    max_num_splits=sparse_splits, quant=quant, checked=True,
                                                     min_split=min_split)
                     streaming = functools.partial(triton_attention, query, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                   out, 1, splits[R], d.cache, quant, streaming_only=True)
@@ -1031,19 +1031,19 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                 with patched(selection, "BAND_CLUSTERS", band), patched(selection, "GATHER_SLOTS", slots):
                     timed(f"lookup only, band chunk {band}, gather slots {slots}", step(16, write=False, attend=False))
             selections = selections_at(16)
-            for splits, min_split in ((None, None), (64, 128), (128, 128), (128, 64), (256, 64), (32, 256)):
-                timed(f"sparse decode only, splits {splits or 'served'}, shortest {min_split or 'served'}",
-                      step(16, write=False, lookup=False, selections=selections, splits=splits, min_split=min_split))
+            for parts, min_split in ((None, None), (64, 128), (128, 128), (128, 64), (256, 64), (32, 256)):
+                timed(f"sparse decode only, splits {parts or 'served'}, shortest {min_split or 'served'}",
+                      step(16, write=False, lookup=False, selections=selections, sparse_splits=parts, min_split=min_split))
             for tiles in ((64, 256, 2), (64, 256, 4), (32, 64, 3), (32, 128, 3)):
-                for splits in (None, 128):
+                for parts in (None, 128):
                     with patched(sparse_decode, "decode_tiles", lambda head_dim, device, tiles=tiles: tiles):
                         timed(f"sparse decode only, tile {tiles[0]} shortest {tiles[1]} stages {tiles[2]}, "
-                              f"splits {splits or 'served'}",
-                              step(16, write=False, lookup=False, selections=selections, splits=splits))
-            for band, slots, splits, min_split in ((1024, 256, 128, 128), (256, 256, 128, 128), (1024, 128, 128, 64)):
+                              f"splits {parts or 'served'}",
+                              step(16, write=False, lookup=False, selections=selections, sparse_splits=parts))
+            for band, slots, parts, min_split in ((1024, 256, 128, 128), (256, 256, 128, 128), (1024, 128, 128, 64)):
                 with patched(selection, "BAND_CLUSTERS", band), patched(selection, "GATHER_SLOTS", slots):
-                    timed(f"squeeze 1/16, band chunk {band}, gather slots {slots}, splits {splits} "
-                          f"shortest {min_split}", step(16, splits=splits, min_split=min_split))
+                    timed(f"squeeze 1/16, band chunk {band}, gather slots {slots}, splits {parts} "
+                          f"shortest {min_split}", step(16, sparse_splits=parts, min_split=min_split))
             results.append(res)
             continue
 
