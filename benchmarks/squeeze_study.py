@@ -16,6 +16,8 @@ Methods, each at budgets of 1/16, 1/8, 1/4 of the selectable keys (per layer, re
   squeeze-cN   Squeezed Attention, 1 level: spherical K-means (k-means++ init, kernels/clustering.py) over the
                selectable keys, n/N clusters; centroid = mean of the cluster's raw keys (as the authors' code); per
                query head Eq. 1, S_i = exp(q.C_i) / sum_j N_j exp(q.C_j); clusters taken by S_i until the budget is met
+  squeeze-c16-fp8  squeeze-c16's clusters with each centroid rounded to fp8 (e4m3, no scale): what a lookup that
+               reads half the centroid bytes would select
   squeeze-c16-chunkS  the same K-means per S-token chunk [kS, (k+1)S) of absolute positions (chunk 0 starts at the
                sink), 1/16 of the chunk's keys as clusters, so a chunk's clusters depend on its tokens only (the
                clustering vLLM pages can hold); selection stays global: all chunks' centroids scored by Eq. 1
@@ -40,6 +42,7 @@ duo's; and the K-means time and centroid memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -276,7 +279,8 @@ def make_prompts(tokenizer, count: int, seed: int, sink: int, recent: int,
 
 
 def unit_families() -> list[str]:
-    return ([f"squeeze-c{c}" for c in CLUSTERS] + [f"squeeze-c{CHUNK_CLUSTERS}-chunk{s}" for s in CHUNKS]
+    return ([f"squeeze-c{c}" for c in CLUSTERS] + ["squeeze-c16-fp8"]
+            + [f"squeeze-c{CHUNK_CLUSTERS}-chunk{s}" for s in CHUNKS]
             + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
 
 
@@ -342,7 +346,7 @@ def build_units(study: Study, families: set[str], iters: int, generator: torch.G
     stacked = torch.cat([per_layer[layer] for layer in layers])  # [all retrieval heads, n, d]
     n, timing = stacked.shape[1], {}
     for c in CLUSTERS:
-        if f"squeeze-c{c}" not in families:
+        if f"squeeze-c{c}" not in families and not (c == 16 and "squeeze-c16-fp8" in families):
             continue
         k = max(1, n // c)
         start = time.perf_counter()
@@ -350,6 +354,9 @@ def build_units(study: Study, families: set[str], iters: int, generator: torch.G
         seconds = time.perf_counter() - start
         units = Units(labels=clusters.labels, sizes=clusters.sizes.float(), mean=clusters.centroids)
         split_units(study, f"squeeze-c{c}", units, layers, per_layer)
+        if c == 16:
+            rounded = clusters.centroids.to(torch.float8_e4m3fn).float()
+            split_units(study, "squeeze-c16-fp8", dataclasses.replace(units, mean=rounded), layers, per_layer)
         timing[f"squeeze-c{c}"] = {"clusters": k, "iterations": clusters.iterations, "seconds": round(seconds, 3),
                                    "seconds_per_head": round(seconds / stacked.shape[0], 4)}
     for size in CHUNKS:
