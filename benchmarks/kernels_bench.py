@@ -33,7 +33,8 @@ the torch profiler's kernels of both steps.
 
 squeeze decode (`--squeeze-decode`, issue 33): the same steps at 4 x 64k and 4 x 128k over an fp8 cache, duo as served
 against duo with Squeezed Attention's lookup and sparse decode on its retrieval heads at budgets 1/16, 1/8 and 1/4 of
-the keys (random clusters: timing only), each step whole, its lookup alone and its sparse decode alone.
+the keys (random clusters, fp8 centroids as served: timing only), each step whole, its lookup alone and its sparse
+decode alone, and with bf16 centroids.
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, the launch settings of the lookup (clusters per band-kernel chunk,
 output slots per gather program) and of the sparse decode (splits, shortest split, key tile, pipeline stages), each
 part alone, then whole steps with settings combined.
@@ -920,8 +921,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     """Issue 33's decode step at batch 4 x 64k / 128k over an fp8 cache, 32 layers in one CUDA graph: duo as served
     against duo with Squeezed Attention on its retrieval heads (vllm_duo/squeeze.py's lookup: centroid scores, then
     the best clusters up to 1/16, 1/8, 1/4 of the keys; the sparse decode over them plus sinks and window), the
-    streaming heads beside on a second stream as served. The clusters are random (16 keys per bf16 centroid on
-    average), then at 1/16 as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
+    streaming heads beside on a second stream as served. The clusters are random (16 keys per centroid on average,
+    centroids in fp8 with a scale per head as served beside an fp8 cache; bf16 centroids as a variant), then at 1/16
+    as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
     equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, with the launch
     settings of the lookup and the sparse decode varied (`--squeeze-sweep`)."""
     from vllm_duo import gpu_attention
@@ -932,6 +934,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
+    from vllm_duo.squeeze import FP8_CENTROIDS
 
     counts = resolve_pattern("Meta-Llama-3.1-8B-Instruct")[0].retrieval_counts(0.5)
     results = []
@@ -953,17 +956,25 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         T = context - SINK
         C = triton.cdiv(T, KEYS_PER_CLUSTER)
 
-        def clusters(R, labels, centroids):
-            """A store of (centroids, sizes, offsets, positions) for `labels` [R, T], the same for every request."""
+        def clusters(R, labels, centroids, fp8=True):
+            """A store of (centroids, sizes, offsets, positions, centroid scales) for `labels` [R, T], the same for
+            every request; `fp8`: the centroids in fp8 with a scale per (request, head), as served beside an fp8
+            cache (squeeze.py), else bf16 without scales."""
             offsets, positions = to_csr(labels, C, positions_offset=SINK)
+            scales = None
+            if fp8:
+                scales = centroids.float().abs().amax(dim=(2, 3)).clamp(min=1e-30) / torch.finfo(FP8_CENTROIDS).max
+                centroids = (centroids.float() / scales[:, :, None, None]).to(FP8_CENTROIDS)
             return (centroids, (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
-                    offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous())
+                    offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous(), scales)
 
-        # random clusters: random centroids, a random label per key. Then two stores as dummy weights may make them:
-        # equal centroids (every cluster in one score band, so every cluster kept) and skewed labels (a key's label
-        # u^4 C for u uniform: the first cluster holds a tenth of the keys)
-        stores = {R: clusters(R, torch.randint(0, C, (R, T), device=DEV),
-                              torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
+        # random clusters: random centroids, a random label per key (and the same in bf16). Then two stores as dummy
+        # weights may make them: equal centroids (every cluster in one score band, so every cluster kept) and skewed
+        # labels (a key's label u^4 C for u uniform: the first cluster holds a tenth of the keys)
+        random_clusters = {R: (torch.randint(0, C, (R, T), device=DEV),
+                               torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
+        stores = {R: clusters(R, *drawn) for R, drawn in random_clusters.items()}
+        bf16_stores = {R: clusters(R, *drawn, fp8=False) for R, drawn in random_clusters.items()}
         flat = {R: clusters(R, torch.randint(0, C, (R, T), device=DEV),
                             torch.zeros(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
         skewed = {R: clusters(R, (torch.rand(R, T, device=DEV) ** 4 * C).long(),
@@ -992,11 +1003,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                         continue
                     if write:
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
-                    centroids, sizes, offsets, positions = store[R]
+                    centroids, sizes, offsets, positions, scales = store[R]
 
                     def retrieval():
                         if lookup:
-                            scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE)
+                            scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE,
+                                                     centroid_scales=scales)
                             if not select:
                                 return
                             selected = choose(scores, offsets, positions, budget, banded)
@@ -1019,21 +1031,25 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         def selections_at(k):
             """Each layer width's selection at 1/k, made beforehand (for the sparse decode alone)."""
             chosen = {}
-            for R, (centroids, sizes, offsets, positions) in stores.items():
-                scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE)
+            for R, (centroids, sizes, offsets, positions, scales) in stores.items():
+                scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
+                                         centroid_scales=scales)
                 chosen[R] = choose(scores, offsets, positions, k)
             return chosen
 
         if sweep:
             timed("duo", step())
             timed("squeeze 1/16", step(16))
+            timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
+            timed("lookup only, bf16 centroids", step(16, write=False, attend=False, store=bf16_stores))
             for band, slots in ((1024, 1024), (1024, 256), (1024, 128), (256, 1024), (256, 256), (256, 128)):
                 with patched(selection, "BAND_CLUSTERS", band), patched(selection, "GATHER_SLOTS", slots):
                     timed(f"lookup only, band chunk {band}, gather slots {slots}", step(16, write=False, attend=False))
             selections = selections_at(16)
             for parts, min_split in ((None, None), (64, 128), (128, 128), (128, 64), (256, 64), (32, 256)):
                 timed(f"sparse decode only, splits {parts or 'served'}, shortest {min_split or 'served'}",
-                      step(16, write=False, lookup=False, selections=selections, sparse_splits=parts, min_split=min_split))
+                      step(16, write=False, lookup=False, selections=selections, sparse_splits=parts,
+                           min_split=min_split))
             for tiles in ((64, 256, 2), (64, 256, 4), (32, 64, 3), (32, 128, 3)):
                 for parts in (None, 128):
                     with patched(sparse_decode, "decode_tiles", lambda head_dim, device, tiles=tiles: tiles):
@@ -1049,6 +1065,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
 
         timed("duo", step())
         timed("centroid scores only", step(16, write=False, attend=False, select=False))
+        timed("centroid scores only, bf16 centroids", step(16, write=False, attend=False, select=False,
+                                                           store=bf16_stores))
         timed("lookup with the sorting selection, 1/16", step(16, write=False, attend=False, banded=False))
         for k in SQUEEZE_BUDGETS:
             timed(f"squeeze 1/{k}", step(k))
@@ -1059,11 +1077,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
         timed("squeeze 1/16, equal centroids (one score band)", step(16, store=flat))
         timed("squeeze 1/16, skewed clusters", step(16, store=skewed))
+        timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
         lookup = step(16, write=False, attend=False)
         res["lookup_kernels"] = profile = kernel_profile(capture(lookup), lookup)
         print_kernels(f"{case} lookup at 1/16, kernels", profile)
         results.append(res)
-        del layouts, retrieval_tables, stores, flat, skewed
+        del layouts, retrieval_tables, stores, bf16_stores, flat, skewed
         torch.cuda.empty_cache()
 
 

@@ -57,23 +57,26 @@ def _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, s
 
 
 @triton.jit(do_not_specialize=["num_clusters"])
-def _centroid_logits_kernel(query_ptr, centroids_ptr, sizes_ptr, context_ids_ptr, logits_ptr, part_m_ptr, part_l_ptr,
-                            retrieval_kv_ptr, query_start_loc_ptr, qk_scale, num_clusters,
+def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes_ptr, context_ids_ptr, logits_ptr,
+                            part_m_ptr, part_l_ptr, retrieval_kv_ptr, query_start_loc_ptr, qk_scale, num_clusters,
                             stride_qt: tl.int64, stride_qh: tl.int64, stride_cx: tl.int64, stride_ch: tl.int64,
-                            stride_cn: tl.int64, stride_nx: tl.int64, stride_nh: tl.int64, stride_lr: tl.int64,
-                            stride_lh: tl.int64, stride_lg: tl.int64, stride_pr: tl.int64, stride_ph: tl.int64,
-                            stride_pt: tl.int64,
+                            stride_cn: tl.int64, stride_gx: tl.int64, stride_gh: tl.int64, stride_nx: tl.int64,
+                            stride_nh: tl.int64, stride_lr: tl.int64, stride_lh: tl.int64, stride_lg: tl.int64,
+                            stride_pr: tl.int64, stride_ph: tl.int64, stride_pt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr,
+                            SCALED: tl.constexpr):
     """Grid (num_reqs, R, tiles): the base-2 logits of one tile of TILE_CHUNKS x BLOCK_C clusters per query head of
     the group (-inf for empty clusters), and the tile's softmax partials: the running max and the sum of
-    N_j exp2(s_j - max) per query head."""
+    N_j exp2(s_j - max) per query head. SCALED: the centroids are stored divided by their (context, head)'s scale."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
     if context < 0:
         return
+    if SCALED:
+        qk_scale = qk_scale * tl.load(centroid_scales_ptr + context * stride_gx + head * stride_gh)
     q = _last_queries(query_ptr, query_start_loc_ptr, retrieval_kv_ptr, req, head, stride_qt, stride_qh, G, BLOCK_G,
                       HEAD_DIM, BLOCK_D)
     centroid_row = centroids_ptr + context * stride_cx + head * stride_ch
@@ -163,8 +166,8 @@ def _score_tiles(device: torch.device) -> int:
 
 
 def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
-                    query_start_loc: torch.Tensor, scale: float,
-                    context_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, context_ids: torch.Tensor | None = None,
+                    centroid_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Squeezed Attention's estimate (its Eq. 1) of the attention weight of one key of each cluster,
     S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale), for each request's last query token, max over the
     query heads of each retrieval KV head.
@@ -183,6 +186,8 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         scale: the softmax scale.
         context_ids: `[num_reqs]` int32, the context of each request (requests over one shared document read
             one copy; negative: none, its scores stay 0); None: request i's context is row i.
+        centroid_scales: `[num_contexts, R]` float32: each (context, head)'s centroids are stored divided by it
+            (fp8 centroids, which read half the bytes of bf16); None: stored as they are.
 
     Returns:
         `[num_reqs, R, C]` float32 scores (a request without query tokens gets some other token's).
@@ -200,13 +205,15 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=query.device)
     part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=query.device)
                       for _ in range(2))
-    # without context ids the kernel reads none: `scores` stands in for the pointer
+    # without context ids or scales the kernel reads none: `scores` stands in for the pointer
+    scales = scores if centroid_scales is None else centroid_scales
     _centroid_logits_kernel[(num_reqs, R, tiles)](
-        query, centroids, sizes, scores if context_ids is None else context_ids, logits, part_m, part_l,
+        query, centroids, scales, sizes, scores if context_ids is None else context_ids, logits, part_m, part_l,
         heads.retrieval_kv, query_start_loc, scale * LOG2E, C, *query.stride()[:2], *centroids.stride()[:3],
-        *sizes.stride()[:2], *logits.stride()[:3], *part_m.stride()[:3],
+        *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3], *part_m.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None, num_warps=4)
+        BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
+        SCALED=centroid_scales is not None, num_warps=4)
     _centroid_scores_kernel[(num_reqs, R, tiles)](
         logits, part_m, part_l, scores, scores if context_ids is None else context_ids, C, tiles,
         *logits.stride()[:3], *part_m.stride()[:3], *scores.stride()[:2],

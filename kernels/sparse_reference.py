@@ -55,17 +55,21 @@ def last_queries(query: torch.Tensor, heads: LayerHeads, query_start_loc: list[i
 
 
 def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
-                    query_start_loc: list[int], scale: float, context_ids: list[int] | None = None) -> torch.Tensor:
+                    query_start_loc: list[int], scale: float, context_ids: list[int] | None = None,
+                    centroid_scales: torch.Tensor | None = None) -> torch.Tensor:
     """`selection.centroid_scores`: S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale) per query head
-    (0 for empty clusters), max over each KV head's group -> `[num_reqs, R, C]` float32 (0 without a context)."""
+    (0 for empty clusters), max over each KV head's group -> `[num_reqs, R, C]` float32 (0 without a context);
+    with `centroid_scales` `[contexts, R]` the centroids are stored divided by them."""
     num_reqs = len(query_start_loc) - 1
     scores = torch.zeros(num_reqs, heads.num_retrieval, centroids.shape[2], device=query.device)
     for i in range(num_reqs):
         context = i if context_ids is None else context_ids[i]
         if context < 0:
             continue
-        logits = torch.einsum("rgd,rcd->rgc", last_queries(query, heads, query_start_loc, i),
-                              centroids[context].float()) * scale
+        stored = centroids[context].float()
+        if centroid_scales is not None:
+            stored = stored * centroid_scales[context].float()[:, None, None]
+        logits = torch.einsum("rgd,rcd->rgc", last_queries(query, heads, query_start_loc, i), stored) * scale
         size = sizes[context].float()[:, None, :]  # [R, 1, C]
         log_denom = torch.logsumexp(logits + size.log(), dim=-1, keepdim=True)
         estimate = torch.where(size > 0, (logits - log_denom).exp(), 0.0)

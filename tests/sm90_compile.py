@@ -26,9 +26,9 @@ from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.selection import (SCORE_BANDS, _band_cut_kernel, _band_ends_kernel, _band_gather_kernel,
-                                         _band_sizes_kernel, _centroid_logits_kernel, _centroid_scores_kernel,
-                                         _page_scores_kernel, _score_tiles)
+from vllm_duo.kernels.selection import (GATHER_SLOTS, SCORE_BANDS, _band_cut_kernel, _band_ends_kernel,
+                                         _band_gather_kernel, _band_sizes_kernel, _centroid_logits_kernel,
+                                         _centroid_scores_kernel, _page_scores_kernel, _score_tiles)
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -40,10 +40,11 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
     """Element types of the kernels' pointer arguments, by name (the rest are int32 batch metadata)."""
     scales = "fp32" if cache in FP8_FORMATS else TRITON_TYPES[cache]  # a bf16 cache passes itself as its scales
-    types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr", "centroids_ptr"), TRITON_TYPES[model])
+    types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr"), TRITON_TYPES[model])
     types.update(dict.fromkeys(("cache_ptr", "stream_ptr"), TRITON_TYPES[cache]))
+    types["centroids_ptr"] = TRITON_TYPES[cache if cache in FP8_FORMATS else model]  # fp8 beside an fp8 cache
     types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "scores_ptr", "summaries_ptr", "logits_ptr",
-                                "part_m_ptr", "part_l_ptr"), "fp32"))
+                                "part_m_ptr", "part_l_ptr", "centroid_scales_ptr"), "fp32"))
     types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
     types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr"), "i64"))
     return {name: "*" + t for name, t in types.items()}
@@ -86,7 +87,7 @@ def cases():
     for model, cache, G, head_dim, variants in (
             (torch.bfloat16, torch.bfloat16, 4, 128, {"write", "prefill", "decode without splits", "merge", "sparse",
                                                       "scores"}),
-            (torch.bfloat16, torch.float8_e4m3fn, 4, 128, {"write", "prefill", "sparse"}),
+            (torch.bfloat16, torch.float8_e4m3fn, 4, 128, {"write", "prefill", "sparse", "logits"}),
             (torch.bfloat16, torch.bfloat16, 3, 64, set())):
         fp8 = FP8_FORMATS.get(cache, "")
         fp16 = bool(fp8) and model == torch.bfloat16
@@ -127,11 +128,12 @@ def cases():
             constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], MAX_SPLITS=64,
                              MIN_SPLIT=min_split, BLOCK_S=64, CONTEXT_ENDS=True)
             yield f"sparse merge {tag} splits 64", _sparse_merge_kernel, model, cache, constants, {}
-        if "scores" in variants:
-            tile = _score_tiles(CUDA)
-            common = dict(G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"])
+        tile = _score_tiles(CUDA)
+        common = dict(G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"])
+        if variants & {"scores", "logits"}:  # fp8 centroids with their scales beside an fp8 cache
             yield (f"centroid logits {tag}", _centroid_logits_kernel, model, cache,
-                   dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True), {})
+                   dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True, SCALED=bool(fp8)), {})
+        if "scores" in variants:
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
                    dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=4, BLOCK_T=64, CONTEXTS=True), {})
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
@@ -140,7 +142,7 @@ def cases():
             yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(BANDS=SCORE_BANDS), {}
             yield f"band ends {tag}", _band_ends_kernel, model, cache, dict(bands, BLOCK_T=64), {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
-                   dict(OUT_W=1024, SEARCH_STEPS=14, CONTEXTS=True), {})
+                   dict(OUT_W=GATHER_SLOTS, SEARCH_STEPS=14, CONTEXTS=True), {})
 
 
 def main() -> int:

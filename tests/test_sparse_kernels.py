@@ -218,22 +218,28 @@ def scoring_batch(num_kv_heads: int, group: int, retrieval: list[int], query_len
     return torch.randn(int(starts[-1]), num_kv_heads * group, head_dim, dtype=dtype), heads, starts
 
 
-@pytest.mark.parametrize("group, query_lens, clusters, shared, dtype", [
-    (1, [1], 5, False, torch.float32),
-    (3, [1, 4, 0, 1], 37, True, torch.float32),  # a request without tokens; requests over two contexts and none
-    (4, [1, 1], 16, False, torch.float16),
+@pytest.mark.parametrize("group, query_lens, clusters, shared, dtype, fp8", [
+    (1, [1], 5, False, torch.float32, False),
+    (3, [1, 4, 0, 1], 37, True, torch.float32, False),  # a request without tokens; requests over two contexts and none
+    (4, [1, 1], 16, False, torch.float16, False),
+    (3, [1, 4, 0, 1], 37, True, torch.float16, True),  # fp8 centroids, each (context, head) with its scale
 ])
-def test_centroid_scores(group, query_lens, clusters, shared, dtype):
+def test_centroid_scores(group, query_lens, clusters, shared, dtype, fp8):
     """Eq. 1 per query head, max over the group; empty (padding) clusters score 0, a context of none scores 0."""
     query, heads, starts = scoring_batch(4, group, [0, 3], query_lens, dtype)
     num_contexts = 2 if shared else len(query_lens)
     centroids = torch.randn(num_contexts, 2, clusters, query.shape[-1], dtype=dtype)
+    scales = None
+    if fp8:
+        scales = torch.rand(num_contexts, 2) + 0.5
+        centroids = (centroids.float() * 100).to(torch.float8_e4m3fn)  # stored / scale: ~100 x their 1/scale
+        scales = scales / 100
     sizes = torch.randint(0, 6, (num_contexts, 2, clusters), dtype=torch.int32)
     sizes[-1, -1] = 0
     contexts = torch.tensor([1, 0, 1, -1], dtype=torch.int32) if shared else None
-    scores = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts)
+    scores = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts, scales)
     expected = ref.centroid_scores(query, centroids, sizes, heads, starts.tolist(), 0.3,
-                                   None if contexts is None else contexts.tolist())
+                                   None if contexts is None else contexts.tolist(), scales)
     tol = TOL[dtype]
     torch.testing.assert_close(scores, expected, rtol=tol.rtol, atol=tol.atol / 10)
     assert (scores[(sizes if contexts is None else sizes[contexts.long()]) == 0] == 0).all()

@@ -11,7 +11,7 @@ from test_kernels import PRESETS, Preset, make_case, written_caches
 from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse
 
 from vllm_duo.kernels import sparse_reference as ref
-from vllm_duo.squeeze import ClusteredContexts, SqueezeSettings
+from vllm_duo.squeeze import FP8_CENTROIDS, ClusteredContexts, SqueezeSettings, centroid_dtype
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
 TWO_LAYERS = [2, 1]
@@ -22,9 +22,11 @@ def _seeded():
     torch.manual_seed(0)
 
 
-def built(case, cache, settings: SqueezeSettings, layer: int = 0) -> ClusteredContexts:
+def built(case, cache, settings: SqueezeSettings, layer: int = 0,
+          centroid_dtype: torch.dtype = torch.bfloat16) -> ClusteredContexts:
     """Every request's cached tokens (its prompt) clustered into its own slot."""
-    contexts = ClusteredContexts([case.heads.num_retrieval] * 2, case.preset.head_dim, case.preset.sink, settings)
+    contexts = ClusteredContexts([case.heads.num_retrieval] * 2, case.preset.head_dim, case.preset.sink, settings,
+                                 centroid_dtype=centroid_dtype)
     for i, seq_len in enumerate(case.seq_lens):
         contexts.build(layer, i, cache, case.heads, case.block_table[i], seq_len - 1)
     return contexts
@@ -34,7 +36,7 @@ def select_reference(contexts: ClusteredContexts, layer: int, case, slots: list[
                      max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`ClusteredContexts.select` by the kernels' PyTorch references, request by request."""
     scores = ref.centroid_scores(case.query, contexts.centroids[layer], contexts.sizes[layer], case.heads,
-                                 case.query_start_loc, case.scale, slots)
+                                 case.query_start_loc, case.scale, slots, contexts.scales_of(layer))
     budgets = torch.tensor(budget, dtype=torch.int32)[:, None].expand(-1, case.heads.num_retrieval)
     return ref.select_banded(scores, contexts.offsets[layer], contexts.positions[layer], budgets, max_selected, slots)
 
@@ -58,11 +60,12 @@ def test_a_build_lists_each_clustered_position_once():
             assert sorted(contexts.positions[0][i, r, :T].tolist()) == list(range(CASE.sink, seq_len - 1))
 
 
-@pytest.mark.parametrize("budget", [0.1, 0.3, 1.0])
-def test_select_matches_the_references(budget):
+@pytest.mark.parametrize("budget, centroid_dtype", [(0.1, torch.bfloat16), (0.3, torch.bfloat16),
+                                                     (1.0, torch.bfloat16), (0.3, FP8_CENTROIDS)])
+def test_select_matches_the_references(budget, centroid_dtype):
     case = make_case(CASE)
     cache, _ = written_caches(case)
-    contexts = built(case, cache, settings_for(case, budget=budget))
+    contexts = built(case, cache, settings_for(case, budget=budget), centroid_dtype=centroid_dtype)
     slots = [0, 0, 2, 4, 3]  # two requests over one context read the same copy
     keys = contexts.budget_keys(slots)
     width = contexts.settings.max_context_len
@@ -75,6 +78,27 @@ def test_select_matches_the_references(budget):
             assert torch.equal(selected[i, r, :counts[i, r]], expected[0][i, r, :counts[i, r]])
             taken = set(selected[i, r, :counts[i, r]].tolist())
             assert counts[i, r] >= keys[i] and taken <= set(range(CASE.sink, case.seq_lens[slots[i]] - 1))
+
+
+def test_fp8_centroids_hold_the_centroids_to_fp8_precision():
+    """Beside an fp8 cache the centroids are stored in fp8 with a scale per (slot, head): scaled back they are the
+    bf16 build's centroids (the same clustering) to within fp8's rounding, and no head's largest saturates."""
+    case = make_case(CASE)
+    cache, _ = written_caches(case)
+    settings = settings_for(case)
+    wide, narrow = built(case, cache, settings), built(case, cache, settings, centroid_dtype=FP8_CENTROIDS)
+    assert narrow.centroids[0].dtype == FP8_CENTROIDS and narrow.centroid_scales[0].shape == (len(case.seq_lens), 2)
+    for slot in range(len(case.seq_lens)):
+        scales = narrow.centroid_scales[0][slot][:, None, None]
+        restored = narrow.centroids[0][slot].float() * scales
+        torch.testing.assert_close(restored, wide.centroids[0][slot].float(), rtol=0.07, atol=0.0)
+        assert narrow.centroids[0][slot].float().abs().amax() == torch.finfo(FP8_CENTROIDS).max
+
+
+def test_centroids_are_fp8_beside_an_e4m3_cache_only():
+    assert centroid_dtype(torch.bfloat16, "fp8") == centroid_dtype(torch.float16, "fp8_e4m3") == FP8_CENTROIDS
+    assert centroid_dtype(torch.bfloat16, "fp8_e5m2") == centroid_dtype(torch.bfloat16, "auto") == torch.bfloat16
+    assert centroid_dtype(torch.float32, "auto") == torch.float32
 
 
 def test_budget_of_every_key_equals_duo_decode():
@@ -133,10 +157,11 @@ def test_settings_memory_and_window():
     with pytest.raises(ValueError, match="keys_per_cluster"):
         SqueezeSettings(keys_per_cluster=0)
     settings = SqueezeSettings(max_contexts=2, max_context_len=1000, keys_per_cluster=16)
-    contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings)
-    allocated = sum(t.nbytes for kind in (contexts.centroids, contexts.sizes, contexts.offsets, contexts.positions)
-                    for t in kind)
-    assert ClusteredContexts.bytes_needed(TWO_LAYERS, 64, settings) == allocated
+    for dtype in (torch.bfloat16, FP8_CENTROIDS):
+        contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings, centroid_dtype=dtype)
+        kinds = (contexts.centroids, contexts.sizes, contexts.offsets, contexts.positions, contexts.centroid_scales)
+        allocated = sum(t.nbytes for kind in kinds if kind is not None for t in kind)
+        assert ClusteredContexts.bytes_needed(TWO_LAYERS, 64, settings, dtype) == allocated
     case = make_case(CASE)
     cache, _ = written_caches(case)
     with pytest.raises(ValueError, match="squeezed context holds"):

@@ -39,7 +39,7 @@ from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 from vllm_duo.reorder import reorder_heads
-from vllm_duo.squeeze import ClusteredContexts, SqueezeRows, SqueezeStep
+from vllm_duo.squeeze import ClusteredContexts, SqueezeRows, SqueezeStep, centroid_dtype
 
 logger = init_logger(f"vllm.{__name__}")
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
@@ -373,12 +373,11 @@ def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torc
     longest = min(settings.max_context_len, vllm_config.model_config.max_model_len - serving.plan.sink)
     settings = settings.model_copy(update={"max_context_len": max(1, longest)})
     retrieval = [len(layer.retrieval) for layer in serving.layers]
-    dtype = vllm_config.model_config.dtype
-    centroids = dtype if dtype in (torch.float16, torch.float32) else torch.bfloat16
+    centroids = centroid_dtype(vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
     _CONTEXTS[id(serving)] = ClusteredContexts(retrieval, head_dim, serving.plan.sink, settings, device, centroids,
                                                max_batch_rows(vllm_config))
     slot_bytes = ClusteredContexts.bytes_needed(retrieval, head_dim, settings, centroids) // settings.max_contexts
-    logger.info(settings.summary(serving.plan.sink, slot_bytes))
+    logger.info(settings.summary(serving.plan.sink, slot_bytes, str(centroids).removeprefix("torch.")))
 
 
 def bind_duo_layers(model: torch.nn.Module, device: torch.device) -> None:

@@ -54,13 +54,13 @@ class SqueezeSettings(BaseModel):
         T = self.max_context_len
         return min(T, math.ceil(self.budget * T) + 4 * self.keys_per_cluster)
 
-    def summary(self, sink: int, slot_bytes: int) -> str:
+    def summary(self, sink: int, slot_bytes: int, centroids: str) -> str:
         return (f"duo squeeze: retrieval heads of prompts of {self.min_context_len} to {self.max_context_len + sink} "
                 f"tokens read {self.budget:g} of their clustered keys at decode ({self.keys_per_cluster} keys per "
                 f"cluster, {self.iters} Lloyd iterations from {self.init} seeds), plus sinks and window; "
                 f"{self.max_contexts} contexts kept, each a prompt but its last {self.tail} tokens and read by every "
                 f"prompt that starts with it, {slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside "
-                "the KV cache")
+                f"the KV cache ({centroids} centroids)")
 
 
 class DuoSettings(BaseModel):

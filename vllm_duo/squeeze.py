@@ -35,8 +35,10 @@ slot. Requests without a slot (the prompt too short or too long, every slot read
 duo unsqueezed. A slot outlives its requests until another context needs it.
 
 Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluster) for T = max_context_len):
-centroids R x C x head_dim in bf16 (the lookup reads all of them at every step: at 16 keys per centroid they are
-as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes R x C and offsets R x (C + 1) int32,
+centroids R x C x head_dim in the model's dtype, or in fp8 (e4m3, with a float32 scale per head) beside an fp8 KV
+cache, whose keys they summarize at that precision anyway (the lookup reads every centroid at every step: at 16
+keys per centroid, bf16 centroids are as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes
+R x C and offsets R x (C + 1) int32,
 positions R x T int32; all of it preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable)
 and a build allocates nothing but the clustering's scratch. `ClusteredContexts.bytes_needed` is that sum.
 """
@@ -56,6 +58,16 @@ from vllm_duo.kernels.clustering import cluster_keys, to_csr
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, read_retrieval
 from vllm_duo.kernels.selection import centroid_scores, select_banded
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
+
+FP8_CENTROIDS = torch.float8_e4m3fn  # the centroids' dtype beside an fp8 (e4m3) KV cache
+
+
+def centroid_dtype(model_dtype: torch.dtype, cache_dtype: str) -> torch.dtype:
+    """What the centroids are stored in: fp8 beside an e4m3 KV cache (`--kv-cache-dtype fp8|fp8_e4m3`), whose keys
+    they summarize at that precision anyway; else the model's fp16 or fp32, or bf16."""
+    if cache_dtype in ("fp8", "fp8_e4m3"):
+        return FP8_CENTROIDS
+    return model_dtype if model_dtype in (torch.float16, torch.float32) else torch.bfloat16
 
 
 @dataclass
@@ -91,7 +103,8 @@ class SqueezeRows:
 class ClusteredContexts:
     """Per layer, `max_contexts` slots of clustered retrieval keys:
 
-    - centroids `[slots, R, C, head_dim]` (`centroid_dtype`), sizes `[slots, R, C]` int32 (0: no such cluster);
+    - centroids `[slots, R, C, head_dim]` (`centroid_dtype`; fp8 ones divided by `centroid_scales` `[slots, R]`
+      float32, each head's largest magnitude over fp8's largest), sizes `[slots, R, C]` int32 (0: no such cluster);
     - offsets `[slots, R, C + 1]` int32 and positions `[slots, R, T]` int32: the CSR of positions per cluster;
     - `ends[slot]`: where its built context ends (0: none built); `clustered(slot)` positions past the sinks are in
       its CSR; `tokens[slot]`: that context's token ids (None: free), which a prompt must start with to read it.
@@ -107,6 +120,8 @@ class ClusteredContexts:
         C = settings.num_clusters(T)
         self.centroids = [torch.zeros(slots, R, C, head_dim, dtype=centroid_dtype, device=device)
                           for R in retrieval_per_layer]
+        self.centroid_scales = ([torch.ones(slots, R, dtype=torch.float32, device=device) for R in retrieval_per_layer]
+                                if centroid_dtype == FP8_CENTROIDS else None)
         self.sizes = [torch.zeros(slots, R, C, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.offsets = [torch.zeros(slots, R, C + 1, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
@@ -128,6 +143,7 @@ class ClusteredContexts:
         T = settings.max_context_len
         C = settings.num_clusters(T)
         per_head = C * head_dim * centroid_dtype.itemsize + C * 4 + (C + 1) * 4 + T * 4
+        per_head += 4 if centroid_dtype == FP8_CENTROIDS else 0
         return settings.max_contexts * sum(retrieval_per_layer) * per_head
 
     def build(self, layer: int, slot: int, cache: torch.Tensor, heads: LayerHeads, table_row: torch.Tensor,
@@ -146,12 +162,21 @@ class ClusteredContexts:
             offsets, positions = to_csr(clusters.labels, C, positions_offset=self.sink)
             self.centroids[layer][slot].zero_()
             self.sizes[layer][slot].zero_()
-            self.centroids[layer][slot, :, :C] = clusters.centroids.to(self.centroids[layer].dtype)
+            centroids = clusters.centroids
+            if self.centroid_scales is not None:
+                scales = centroids.abs().amax(dim=(1, 2)).clamp(min=1e-30) / torch.finfo(FP8_CENTROIDS).max  # [R]
+                self.centroid_scales[layer][slot] = scales
+                centroids = centroids / scales[:, None, None]
+            self.centroids[layer][slot, :, :C] = centroids.to(self.centroids[layer].dtype)
             self.sizes[layer][slot, :, :C] = clusters.sizes
             self.offsets[layer][slot, :, :C + 1] = offsets
             self.offsets[layer][slot, :, C + 1:] = offsets[:, -1:]
             self.positions[layer][slot, :, :T] = positions
         self.ends[slot] = end
+
+    def scales_of(self, layer: int) -> torch.Tensor | None:
+        """The layer's `centroid_scales` (fp8 centroids), or None."""
+        return None if self.centroid_scales is None else self.centroid_scales[layer]
 
     def free(self, slot: int) -> None:
         self.ends[slot] = 0
@@ -262,7 +287,7 @@ class ClusteredContexts:
         if not heads.num_retrieval:
             return
         scores = sparse_reference.centroid_scores(query, self.centroids[layer], self.sizes[layer], heads,
-                                                  query_start_loc, scale, step.context_ids)
+                                                  query_start_loc, scale, step.context_ids, self.scales_of(layer))
         budget = torch.tensor(step.budget, dtype=torch.int32)[:, None].expand(-1, heads.num_retrieval)
         selected, counts = sparse_reference.select_banded(scores, self.offsets[layer], self.positions[layer], budget,
                                                           self.settings.max_selected(), step.context_ids)
@@ -302,6 +327,6 @@ class ClusteredContexts:
         `[num_reqs, R]` int32."""
         R = heads.num_retrieval
         scores = centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
-                                 context_ids)
+                                 context_ids, self.scales_of(layer))
         return select_banded(scores, self.offsets[layer], self.positions[layer], budget[:, None].expand(-1, R),
                              max_selected, context_ids)
