@@ -107,11 +107,15 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, cont
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
                             BLOCK_T: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): each query head's denominator from all tiles' partials, then the tile's scores
-    exp2(s_j - max) / denominator, max over the group (left 0 for a request without context)."""
+    exp2(s_j - max) / denominator, max over the group (0 for a request without context)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
     if _context_of(context_ids_ptr, req, CONTEXTS) < 0:
+        for chunk in range(TILE_CHUNKS):
+            offs_c = (tile * TILE_CHUNKS + chunk) * BLOCK_C + tl.arange(0, BLOCK_C)
+            tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, tl.zeros([BLOCK_C], tl.float32),
+                     mask=offs_c < num_clusters)
         return
     offs_t = tl.arange(0, BLOCK_T)
     offs_g = tl.arange(0, BLOCK_G)
@@ -193,9 +197,9 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         `[num_reqs, R, C]` float32 scores (a request without query tokens gets some other token's).
     """
     num_reqs, R, C = query_start_loc.shape[0] - 1, heads.num_retrieval, centroids.shape[2]
-    scores = torch.zeros(num_reqs, R, C, dtype=torch.float32, device=query.device)
+    scores = torch.empty(num_reqs, R, C, dtype=torch.float32, device=query.device)  # the kernels write every score
     if query.shape[0] == 0 or num_reqs == 0 or R == 0 or C == 0:
-        return scores
+        return scores.zero_()
     if centroids.shape[1] != R or centroids.shape[-1] != query.shape[-1] or centroids.stride(-1) != 1:
         raise ValueError(f"centroids {tuple(centroids.shape)} must be [contexts, {R}, C, {query.shape[-1]}], "
                          "unit last stride")
@@ -491,9 +495,9 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
     num_reqs, R, C = scores.shape
     device = scores.device
     selected = torch.empty(num_reqs, R, max_selected, dtype=torch.int32, device=device)
-    counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=device)
+    counts = torch.empty(num_reqs, R, dtype=torch.int32, device=device)  # the cut kernel writes every row's
     if num_reqs == 0 or R == 0 or C == 0:
-        return selected.zero_(), counts
+        return selected.zero_(), counts.zero_()
     block_c = BAND_CLUSTERS if device.type == "cuda" else 16
     chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
     hist = torch.zeros(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device)
