@@ -38,9 +38,9 @@ Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluste
 centroids R x C x head_dim in the model's dtype, or in fp8 (e4m3, with a float32 scale per head) beside an fp8 KV
 cache, whose keys they summarize at that precision anyway (the lookup reads every centroid at every step: at 16
 keys per centroid, bf16 centroids are as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes
-R x C and offsets R x (C + 1) int32,
-positions R x T int32; all of it preallocated so that decode's lookup keeps fixed shapes (CUDA-graph capturable)
-and a build allocates nothing but the clustering's scratch. `ClusteredContexts.bytes_needed` is that sum.
+R x C and offsets R x (C + 1) int32, positions R x T int32; all of it preallocated so that decode's lookup keeps
+fixed shapes (CUDA-graph capturable) and a build allocates nothing but the clustering's scratch.
+`ClusteredContexts.bytes_needed` is that sum.
 """
 
 from __future__ import annotations
