@@ -987,12 +987,16 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             served = SqueezeSettings(budget=1 / k, keys_per_cluster=KEYS_PER_CLUSTER, max_context_len=T)
             return chooser(scores, offsets, positions, budget, served.max_selected())
 
+        one_key = torch.ones(batch, dtype=torch.int32, device=DEV)
+
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
-                 store=stores, sparse_splits=None, min_split=None):
+                 store=stores, sparse_splits=None, min_split=None, served=False):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
-            clusters; `splits`, `min_split` the sparse decode's (default as served)."""
+            clusters; `splits`, `min_split` the sparse decode's (default as served); `served`: the squeeze's layer as
+            the backend runs it (duo_attention_gpu: FlashAttention over one key of each row first, the lookup and
+            sparse decode after it, the streaming heads beside both)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -1001,7 +1005,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                                                         out, 1, max_len, quant=quant,
                                                         retrieval_table=retrieval_tables[R])
                         continue
-                    if write:
+                    if write and not served:
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
                     centroids, sizes, offsets, positions, scales = store[R]
 
@@ -1018,6 +1022,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                             sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
                                                     max_num_splits=sparse_splits, quant=quant, checked=True,
                                                     min_split=min_split)
+                    if served:
+                        gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
+                                                        out, 1, max_len, quant=quant,
+                                                        retrieval_table=retrieval_tables[R],
+                                                        retrieval_seq_lens=one_key, squeezed=retrieval)
+                        continue
                     streaming = functools.partial(triton_attention, query, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                   out, 1, splits[R], d.cache, quant, streaming_only=True)
                     if write and d.heads.num_streaming:
@@ -1040,6 +1050,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         if sweep:
             timed("duo", step())
             timed("squeeze 1/16", step(16))
+            timed("squeeze 1/16 as served (FlashAttention over one key first)", step(16, served=True))
             timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
             timed("lookup only, bf16 centroids", step(16, write=False, attend=False, store=bf16_stores))
             for band, slots in ((1024, 1024), (1024, 256), (1024, 128), (256, 1024), (256, 256), (256, 128)):
@@ -1078,6 +1089,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         timed("squeeze 1/16, equal centroids (one score band)", step(16, store=flat))
         timed("squeeze 1/16, skewed clusters", step(16, store=skewed))
         timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
+        timed("squeeze 1/16 as served (FlashAttention over one key first)", step(16, served=True))
         lookup = step(16, write=False, attend=False)
         res["lookup_kernels"] = profile = kernel_profile(capture(lookup), lookup)
         print_kernels(f"{case} lookup at 1/16, kernels", profile)

@@ -3,6 +3,7 @@
 interpreter: what a build stores, the lookup against the references, and end to end that a budget of every clustered
 key gives duo's own decode, also past the window."""
 
+import functools
 import math
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 from test_kernels import PRESETS, Preset, make_case, written_caches
 from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse
 
+from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels import sparse_reference as ref
-from vllm_duo.squeeze import FP8_CENTROIDS, ClusteredContexts, SqueezeSettings, centroid_dtype
+from vllm_duo.squeeze import FP8_CENTROIDS, ClusteredContexts, SqueezeRows, SqueezeSettings, centroid_dtype
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
 TWO_LAYERS = [2, 1]
@@ -112,6 +114,31 @@ def test_budget_of_every_key_equals_duo_decode():
                                        case.scale, contexts.settings.max_context_len)
     full = duo_decode(case, cache, stream)
     assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
+
+
+def test_the_served_layer_runs_the_squeeze_after_its_attention():
+    """gpu_attention.duo_attention_gpu with the squeeze's decode as `squeezed` (on the CPU the Triton kernels take
+    the whole layer, then the squeeze): the retrieval heads of the squeezed rows are the sparse decode's over the
+    selection, not duo's; the streaming heads are duo's."""
+    case = make_case(CASE)
+    cache, stream = written_caches(case)
+    contexts = built(case, cache, settings_for(case, budget=0.3))
+    slots = list(range(len(case.seq_lens)))
+    ids, keys, ends = torch.tensor(slots, dtype=torch.int32), contexts.budget_keys(slots), contexts.context_ends(slots)
+    rows = SqueezeRows(step=None, context_ids=ids, context_ends=ends, budget=keys, flash_seq_lens=case.sl)
+    out = case.poisoned_output()
+    squeezed = functools.partial(contexts.decode, 0, case.query, cache, case.heads, case.qsl, case.sl,
+                                 case.block_table, case.scale, out, rows, case.quant)
+    duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                      case.scale, out, 1, max(case.seq_lens), stream_cache=stream, quant=case.quant, squeezed=squeezed)
+    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale,
+                                       contexts.settings.max_selected())
+    sparse = run_sparse(case, cache, selected, counts, context_ends=ends.tolist())
+    full = duo_decode(case, cache, stream)
+    retrieval, streaming = case.heads.retrieval_q, case.heads.streaming_q
+    torch.testing.assert_close(out[:, retrieval], sparse[:, retrieval])
+    torch.testing.assert_close(out[:, streaming], full[:, streaming])
+    assert not torch.allclose(out[:, retrieval], full[:, retrieval])
 
 
 def test_tokens_generated_past_the_window_are_read():

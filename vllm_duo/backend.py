@@ -15,6 +15,7 @@ way the platform's dense backend writes them; the kernels dequantize in register
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -329,14 +330,17 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         squeeze = m.squeeze
         if kv_cache.is_cuda and not FORCE_TORCH_PATH:
             quant = self._quant(layer, on_host=False)
+            squeezed = None
+            # a CUDA graph replays what its capture ran, whichever rows then read a context
+            if squeeze is not None and (squeeze.step.squeezed or torch.cuda.is_current_stream_capturing()):
+                squeezed = functools.partial(self.contexts.decode, self.layer_index, q, kv_cache, heads,
+                                             m.query_start_loc, m.seq_lens, m.block_table, self.scale, out, squeeze,
+                                             quant)
             duo_attention_gpu(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
                               out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache, quant=quant,
                               retrieval_table=m.retrieval_table, flash_schedules=m.flash_schedules,
-                              retrieval_seq_lens=None if squeeze is None else squeeze.flash_seq_lens)
-            # a CUDA graph replays what its capture ran, whichever rows then read a context
-            if squeeze is not None and (squeeze.step.squeezed or torch.cuda.is_current_stream_capturing()):
-                self.contexts.decode(self.layer_index, q, kv_cache, heads, m.query_start_loc, m.seq_lens,
-                                     m.block_table, self.scale, out, squeeze, quant)
+                              retrieval_seq_lens=None if squeeze is None else squeeze.flash_seq_lens,
+                              squeezed=squeezed)
         else:
             quant = self._quant(layer, on_host=True)
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,

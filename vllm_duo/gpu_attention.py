@@ -12,6 +12,7 @@ FlashAttention decodes the retrieval heads, the streaming heads' Triton decode r
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +29,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       max_seq_len: int, max_num_splits: int | None = None, stream_cache: torch.Tensor | None = None,
                       quant: KVQuant | None = None, retrieval_table: torch.Tensor | None = None,
                       flash_schedules: dict[int, torch.Tensor] | None = None,
-                      retrieval_seq_lens: torch.Tensor | None = None) -> None:
+                      retrieval_seq_lens: torch.Tensor | None = None,
+                      squeezed: Callable[[], None] | None = None) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -42,6 +44,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         retrieval_seq_lens: where the squeeze is on, the keys FlashAttention reads of each row's retrieval heads
             (1 at rows whose squeezed decode follows, `SqueezeRows.flash_seq_lens`); FlashAttention then takes
             the retrieval heads of decode too.
+        squeezed: the squeeze's lookup and sparse decode of the retrieval heads (`ClusteredContexts.decode`), run
+            right after them on the same stream, so that the streaming heads' decode runs beside both.
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
@@ -52,17 +56,24 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash)
+    then = squeezed or (lambda: None)
     if not (by_flash and heads.num_retrieval):
         streaming()
+        then()
         return
     if retrieval_table is None:
         retrieval_table = block_table[:, ::heads.stride].contiguous()
-    retrieval = functools.partial(
+    flash_part = functools.partial(
         retrieval_flash_attention, flash, query, cache, heads, query_start_loc,
         seq_lens if retrieval_seq_lens is None else retrieval_seq_lens, retrieval_table, scale,
         output, max_query_len, max_seq_len, quant,
         num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
         schedules=flash_schedules if max_query_len > 1 else None)
+
+    def retrieval() -> None:
+        flash_part()
+        then()
+
     if max_query_len == 1 and heads.num_streaming:
         beside(streaming, retrieval, query.device)
     else:
