@@ -47,7 +47,6 @@ without $OUT).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -58,6 +57,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import triton
@@ -906,17 +906,6 @@ SQUEEZE_BUDGETS = (16, 8, 4)  # 1/k of the clustered keys read beyond the sinks 
 KEYS_PER_CLUSTER = 16
 
 
-@contextlib.contextmanager
-def patched(module, name: str, value):
-    """`module.name` set to `value` inside the block (a launch setting read when a graph is captured)."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
 def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     """Issue 33's decode step at batch 4 x 64k / 128k over an fp8 cache, 32 layers in one CUDA graph: duo as served
     against duo with Squeezed Attention on its retrieval heads (vllm_duo/squeeze.py's lookup: centroid scores, then
@@ -934,7 +923,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
-    from vllm_duo.squeeze import FP8_CENTROIDS
+    from vllm_duo.squeeze import to_fp8_centroids
 
     counts = resolve_pattern("Meta-Llama-3.1-8B-Instruct")[0].retrieval_counts(0.5)
     results = []
@@ -963,8 +952,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             offsets, positions = to_csr(labels, C, positions_offset=SINK)
             scales = None
             if fp8:
-                scales = centroids.float().abs().amax(dim=(2, 3)).clamp(min=1e-30) / torch.finfo(FP8_CENTROIDS).max
-                centroids = (centroids.float() / scales[:, :, None, None]).to(FP8_CENTROIDS)
+                centroids, scales = to_fp8_centroids(centroids)
             return (centroids, (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
                     offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous(), scales)
 
@@ -994,9 +982,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
-            clusters; `splits`, `min_split` the sparse decode's (default as served); `served`: the squeeze's layer as
-            the backend runs it (duo_attention_gpu: FlashAttention over one key of each row first, the lookup and
-            sparse decode after it, the streaming heads beside both)."""
+            clusters; `sparse_splits`, `min_split` the sparse decode's (default as served); `served`: the squeeze's
+            layer as the backend runs it (duo_attention_gpu: FlashAttention over one key of each row first, the
+            lookup and sparse decode after it, the streaming heads beside both)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -1054,7 +1042,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
             timed("lookup only, bf16 centroids", step(16, write=False, attend=False, store=bf16_stores))
             for band, slots in ((1024, 1024), (1024, 256), (1024, 128), (256, 1024), (256, 256), (256, 128)):
-                with patched(selection, "BAND_CLUSTERS", band), patched(selection, "GATHER_SLOTS", slots):
+                with patch.object(selection, "BAND_CLUSTERS", band), patch.object(selection, "GATHER_SLOTS", slots):
                     timed(f"lookup only, band chunk {band}, gather slots {slots}", step(16, write=False, attend=False))
             selections = selections_at(16)
             for parts, min_split in ((None, None), (64, 128), (128, 128), (128, 64), (256, 64), (32, 256)):
@@ -1063,12 +1051,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                            min_split=min_split))
             for tiles in ((64, 256, 2), (64, 256, 4), (32, 64, 3), (32, 128, 3)):
                 for parts in (None, 128):
-                    with patched(sparse_decode, "decode_tiles", lambda head_dim, device, tiles=tiles: tiles):
+                    with patch.object(sparse_decode, "decode_tiles", lambda head_dim, device, tiles=tiles: tiles):
                         timed(f"sparse decode only, tile {tiles[0]} shortest {tiles[1]} stages {tiles[2]}, "
                               f"splits {parts or 'served'}",
                               step(16, write=False, lookup=False, selections=selections, sparse_splits=parts))
             for band, slots, parts, min_split in ((1024, 256, 128, 128), (256, 256, 128, 128), (1024, 128, 128, 64)):
-                with patched(selection, "BAND_CLUSTERS", band), patched(selection, "GATHER_SLOTS", slots):
+                with patch.object(selection, "BAND_CLUSTERS", band), patch.object(selection, "GATHER_SLOTS", slots):
                     timed(f"squeeze 1/16, band chunk {band}, gather slots {slots}, splits {parts} "
                           f"shortest {min_split}", step(16, sparse_splits=parts, min_split=min_split))
             results.append(res)

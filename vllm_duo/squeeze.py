@@ -55,7 +55,7 @@ import torch
 from vllm_duo.config import SqueezeSettings
 from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, to_csr
-from vllm_duo.kernels.reference import KVQuant, LayerHeads, read_retrieval
+from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, read_retrieval
 from vllm_duo.kernels.selection import centroid_scores, select_banded
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
@@ -65,9 +65,17 @@ FP8_CENTROIDS = torch.float8_e4m3fn  # the centroids' dtype beside an fp8 (e4m3)
 def centroid_dtype(model_dtype: torch.dtype, cache_dtype: str) -> torch.dtype:
     """What the centroids are stored in: fp8 beside an e4m3 KV cache (`--kv-cache-dtype fp8|fp8_e4m3`), whose keys
     they summarize at that precision anyway; else the model's fp16 or fp32, or bf16."""
-    if cache_dtype in ("fp8", "fp8_e4m3"):
+    if FP8_CACHE_DTYPES.get(cache_dtype) == FP8_CENTROIDS:
         return FP8_CENTROIDS
     return model_dtype if model_dtype in (torch.float16, torch.float32) else torch.bfloat16
+
+
+def to_fp8_centroids(centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centroids `[..., C, head_dim]` as stored in fp8: each head's divided by its scale (its largest magnitude over
+    fp8's largest, so none saturates) -> (fp8 centroids, float32 scales `[...]`)."""
+    centroids = centroids.float()
+    scales = centroids.abs().amax(dim=(-2, -1)).clamp(min=1e-30) / torch.finfo(FP8_CENTROIDS).max
+    return (centroids / scales[..., None, None]).to(FP8_CENTROIDS), scales
 
 
 @dataclass
@@ -164,9 +172,7 @@ class ClusteredContexts:
             self.sizes[layer][slot].zero_()
             centroids = clusters.centroids
             if self.centroid_scales is not None:
-                scales = centroids.abs().amax(dim=(1, 2)).clamp(min=1e-30) / torch.finfo(FP8_CENTROIDS).max  # [R]
-                self.centroid_scales[layer][slot] = scales
-                centroids = centroids / scales[:, None, None]
+                centroids, self.centroid_scales[layer][slot] = to_fp8_centroids(centroids)
             self.centroids[layer][slot, :, :C] = centroids.to(self.centroids[layer].dtype)
             self.sizes[layer][slot, :, :C] = clusters.sizes
             self.offsets[layer][slot, :, :C + 1] = offsets
