@@ -1118,7 +1118,7 @@ def flash_rows_probe(res, rows, case, query, layouts, counts, selections, seq_le
         page = block * (2 * BLOCK * P) + positions % BLOCK * P + heads
         page = torch.where(torch.arange(positions.shape[-1], device=DEV) < lens[..., None], page, 0)
         flat = d.cache.view(-1, HEAD_DIM)
-        k_rows, v_rows = flat[:, None, None], flat[BLOCK * P:, None, None]
+        k_rows, v_rows = flat[:-BLOCK * P, None, None], flat[BLOCK * P:, None, None]  # as many pages each
         q = query[:, :R * G].to(torch.float8_e4m3fn).reshape(batch * R, G, HEAD_DIM)
         ones = torch.ones(batch * R, 1, dtype=torch.float32, device=DEV)
         inputs[R] = (q, k_rows, v_rows, page.view(batch * R, -1).int().contiguous(), lens.view(-1).contiguous(),
@@ -1133,7 +1133,8 @@ def flash_rows_probe(res, rows, case, query, layouts, counts, selections, seq_le
                 q, k_rows, v_rows, table, lens, cu_q, ones = inputs[R]
                 outs[R] = flash(q=q, k=k_rows, v=v_rows, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens,
                                 max_seqlen_k=table.shape[1], softmax_scale=SCALE, causal=False, block_table=table,
-                                num_splits=splits, q_descale=ones, k_descale=ones, v_descale=ones)
+                                num_splits=splits, q_descale=ones, k_descale=ones, v_descale=ones,
+                                return_softmax_lse=True)[0]
             return outs
         label = f"squeeze 1/16: sparse decode only, FlashAttention-3 over one-row pages, splits {splits or 'auto'}"
         try:
