@@ -31,11 +31,13 @@ from vllm_duo.kernels.reference import KVQuant, LayerHeads
 @triton.jit
 def _key_list(seq_len, num_selected, sink, recent, context_ends_ptr, req, CONTEXT_ENDS: tl.constexpr):
     """(sinks, first window position, list length) of request `req`'s key list: the sinks [0, min(sink, seq_len)),
-    the selected positions, the window [max(sink, min(seq_len - recent, context_end)), seq_len), where
-    context_end is `context_ends[req]` (or seq_len without context ends)."""
-    context_end = tl.load(context_ends_ptr + req) if CONTEXT_ENDS else seq_len
+    the selected positions, the window [max(sink, context_ends[req]), seq_len), or without context ends
+    [max(sink, seq_len - recent), seq_len)."""
+    if CONTEXT_ENDS:
+        window = tl.maximum(sink, tl.load(context_ends_ptr + req))
+    else:
+        window = tl.maximum(sink, seq_len - recent)
     num_sink = tl.minimum(sink, seq_len)
-    window = tl.maximum(sink, tl.minimum(seq_len - recent, context_end))
     return num_sink, window, num_sink + num_selected + tl.maximum(seq_len - window, 0)
 
 
@@ -166,9 +168,9 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         sink, recent: the sinks and window every head attends (default `heads.sink`, `heads.recent`).
         checked: the caller has validated these inputs.
         min_split: the shortest split in keys, a multiple of the key tile (default as `decode_attention`).
-        context_ends: `[num_reqs]` int32, where each request's selectable positions end (a squeezed context's prompt
-            length): its window starts there at the latest, so tokens generated after the clustered context are
-            always read, however many; 0: the request has none and is left untouched (duo's decode serves it).
+        context_ends: `[num_reqs]` int32, where each request's clustered context ends: its selectable positions are
+            [sink, end) and its window [end, seq_len), every token after the context (the prompt's tail, those
+            generated), however many; 0: the request has none and is left untouched (duo's decode serves it).
             None: the window is the last `recent` positions.
     """
     sink = heads.sink if sink is None else sink

@@ -14,9 +14,9 @@ from vllm_duo.kernels.reference import KVQuant, LayerHeads, attend, read_retriev
 def key_positions(seq_len: int, chosen: torch.Tensor, sink: int, recent: int,
                   context_end: int | None = None) -> torch.Tensor:
     """The positions a retrieval head attends at decode: the sinks, the chosen positions between the sinks and the
-    window (others are dropped: each key counts once), the window (q - recent, q] of the new token q, from
-    `context_end` on if that is earlier."""
-    window = max(sink, min(seq_len - recent, seq_len if context_end is None else context_end))
+    window (others are dropped: each key counts once), the window: every position from `context_end` on (a
+    clustered context's end), or without one (q - recent, q] of the new token q."""
+    window = max(sink, seq_len - recent if context_end is None else context_end)
     chosen = chosen.long()
     between = chosen[(chosen >= sink) & (chosen < window)]
     return torch.cat([torch.arange(min(sink, seq_len), device=chosen.device), between,

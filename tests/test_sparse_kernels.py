@@ -5,7 +5,7 @@ duo's full retrieval decode."""
 
 import pytest
 import torch
-from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, assert_only, cuda_scales, decode_rows,
+from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Preset, assert_close, assert_only, cuda_scales, decode_rows,
                           lifted, lifted_table, make_case, written_caches)
 
 from vllm_duo.kernels import sparse_reference as ref
@@ -121,9 +121,9 @@ def test_full_selection_equals_duo_decode(name):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_context_ends_widen_the_window(splits):
-    """A request's window starts at its context's end at the latest: the tokens after a squeezed context are read
-    however many there are, and selected positions from there on count once (as window)."""
+def test_context_ends_set_the_window(splits):
+    """A request's window starts at its context's end: the tokens after a squeezed context are read however many
+    there are, and selected positions from there on count once (as window)."""
     case = make_case(PRESETS["decode_gqa3"])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
@@ -409,3 +409,76 @@ def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype):
     expected = ref.select_pages(scores, case.seq_lens, p.block_size, p.sink, p.recent, 8)
     assert torch.equal(counts, expected[1]) and torch.equal(selected, expected[0])
     assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case, torch.bfloat16)
+
+
+def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal, block_table,
+                   num_splits=0, out=None, return_softmax_lse=False, **_descales):
+    """FlashAttention-3's varlen paged call in torch, float32: entry b's queries [cu[b], cu[b+1]) over the first
+    seqused_k[b] keys of its pages (k, v `[num_pages, page_size, kv_heads, head_dim]`), GQA, causal bottom-right."""
+    heads, kv_heads = q.shape[1], k.shape[2]
+    result = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full((heads, q.shape[0]), float("-inf"))
+    for b in range(cu_seqlens_q.shape[0] - 1):
+        lo, hi, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+        if hi == lo or n == 0:
+            continue
+        pages = block_table[b, :-(-n // k.shape[1])].long()
+        keys, values = (x[pages].reshape(-1, kv_heads, x.shape[-1])[:n].float().repeat_interleave(heads // kv_heads, 1)
+                        for x in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * softmax_scale
+        if causal:
+            visible = torch.arange(n)[None, :] <= torch.arange(hi - lo)[:, None] + n - (hi - lo)
+            scores = scores.masked_fill(~visible[None], float("-inf"))
+        lse[:, lo:hi] = torch.logsumexp(scores, -1)
+        result[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values)
+    if out is not None:
+        out.copy_(result)
+    result = out if out is not None else result.to(q.dtype)
+    return (result, lse) if return_softmax_lse else result
+
+
+# the decode batches with two rows or more past a block: GQA 3, a mixed batch, and 32-token pages of 3 slots, head_dim 80
+FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],
+                "mixed": Preset(8, 4, (1, 3), ((50, 30), (40, 1), (3, 17), (70, 1), (33, 45), (20, 1))),
+                "wide_pages": Preset(6, 3, (0, 2), ((70, 1), (100, 1), (40, 1), (50, 7)), head_dim=80, block_size=32,
+                                     page_heads=3, sink=8, recent=24)}
+
+
+@pytest.mark.parametrize("name", list(FLASH_PASSES))
+def test_flash_passes_equal_the_sparse_decode(name):
+    """As served with FlashAttention (gpu_attention.py, here with a torch stand-in): the window pass over each
+    squeezed row's pages from its block-aligned context end on, then the pass over pages of one cache row listing
+    its sinks and selected keys (row_pages.py), merged: the sparse decode's result at squeezed rows; a row without a
+    context keeps the window pass over all of its keys, duo's retrieval decode."""
+    from vllm_duo.gpu_attention import retrieval_flash_attention, selected_rows_attention
+    from vllm_duo.squeeze import window_pages
+
+    case = make_case(FLASH_PASSES[name])
+    cache, stream = written_caches(case)
+    p, heads = case.preset, case.heads
+    decoding = [i for i in range(len(case.seq_lens)) if case.query_start_loc[i + 1] - case.query_start_loc[i] == 1]
+    ends = [0] * len(case.seq_lens)
+    for i in decoding[1:]:  # the first decoding row reads no context
+        end = (case.seq_lens[i] - 1) // p.block_size * p.block_size
+        ends[i] = end if end > p.sink else 0
+    assert sum(e > 0 for e in ends) >= 2 and cache.is_contiguous()
+    rows = [[torch.arange(p.sink, max(p.sink, e))[torch.rand(max(e - p.sink, 0)) < 0.5]
+             for _ in range(heads.num_retrieval)] for e in ends]
+    selected, counts = selection(case, rows)
+    context_ends = torch.tensor(ends, dtype=torch.int32)
+    retrieval_table = case.block_table[:, ::heads.stride].contiguous()
+    window_table = torch.zeros_like(retrieval_table)
+    window_pages(retrieval_table, context_ends, p.block_size, window_table)
+    out = case.poisoned_output()
+    queries, window_lse = retrieval_flash_attention(
+        stand_in_flash, case.query, cache, heads, case.qsl, case.sl - context_ends, window_table, case.scale, out,
+        max(case.query_start_loc[i + 1] - case.query_start_loc[i] for i in range(len(case.seq_lens))),
+        max(case.seq_lens), with_lse=True)
+    selected_rows_attention(stand_in_flash, queries, window_lse, cache, heads, case.qsl, case.block_table, case.scale,
+                            out, None, selected, counts, context_ends)
+    squeezed = [case.query_start_loc[i] for i, e in enumerate(ends) if e > 0]
+    q = heads.retrieval_q
+    expected = sparse_reference(case, cache, selected, counts, ends)
+    assert_close(out[squeezed][:, q], expected[squeezed][:, q], torch.float32)
+    plain = [case.query_start_loc[decoding[0]]]
+    assert_close(out[plain][:, q], duo_decode(case, cache, stream)[plain][:, q], torch.float32)

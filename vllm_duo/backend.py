@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -40,7 +40,7 @@ from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 from vllm_duo.reorder import reorder_heads
-from vllm_duo.squeeze import ClusteredContexts, SqueezeRows, SqueezeStep, centroid_dtype
+from vllm_duo.squeeze import ClusteredContexts, SqueezeRows, SqueezeStep, centroid_dtype, window_pages
 
 logger = init_logger(f"vllm.{__name__}")
 # VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
@@ -127,7 +127,8 @@ class DuoAttentionMetadata:
 
     `block_table` rows give each token block its page and its streaming page group (kv_cache.py);
     `retrieval_table` is their page columns alone, contiguous, for FlashAttention (CUDA; None on the
-    CPU). The kernels read the device tensors; the PyTorch path (CPU) reads the host lists.
+    CPU); where the squeeze is on, each squeezed row's from its context end on (`SqueezeRows.window_table`).
+    The kernels read the device tensors; the PyTorch path (CPU) reads the host lists.
     `max_seq_len` bounds the batch's seq_lens: max_model_len in decode-only batches (see the builder).
     `flash_schedules` collects the step's FlashAttention-3 tile schedules as its layers make them, one per
     retrieval-head count; gpu_attention.py uses it in multi-token batches only (a decode batch may be a
@@ -180,6 +181,10 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             self.retrieval_table = torch.zeros(max_batch_rows(vllm_config), cdiv(self.max_model_len, block_size),
                                                dtype=torch.int32, device=device)
         self.contexts = _CONTEXTS.get(id(serving_plan(vllm_config)))
+        self.window_table = None  # the squeeze's retrieval pages from each row's context end on (FlashAttention)
+        if device.type == "cuda" and self.contexts is not None:
+            self.window_table = torch.zeros(max_batch_rows(vllm_config), cdiv(self.max_model_len, block_size),
+                                            dtype=torch.int32, device=device)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> DuoAttentionMetadata:
         metadata = self.build(0, common_attn_metadata)
@@ -207,6 +212,11 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             pages = block_table[:, ::self.stride]
             retrieval_table[:, :pages.shape[1]].copy_(pages[:, :retrieval_table.shape[1]])
         squeeze = None if self.contexts is None else self._squeeze_rows(cam)
+        if squeeze is not None and self.window_table is not None:  # FlashAttention reads the squeezed rows' windows
+            window_table = self.window_table[:num_reqs]
+            window_pages(retrieval_table, squeeze.context_ends, self.contexts.block_size, window_table)
+            squeeze = replace(squeeze, window_table=window_table)
+            retrieval_table = window_table
         return DuoAttentionMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             max_query_len=cam.max_query_len,
@@ -379,7 +389,7 @@ def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torc
     retrieval = [len(layer.retrieval) for layer in serving.layers]
     centroids = centroid_dtype(vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
     _CONTEXTS[id(serving)] = ClusteredContexts(retrieval, head_dim, serving.plan.sink, settings, device, centroids,
-                                               max_batch_rows(vllm_config))
+                                               max_batch_rows(vllm_config), vllm_config.cache_config.block_size)
     slot_bytes = ClusteredContexts.bytes_needed(retrieval, head_dim, settings, centroids) // settings.max_contexts
     logger.info(settings.summary(serving.plan.sink, slot_bytes, str(centroids).removeprefix("torch.")))
 

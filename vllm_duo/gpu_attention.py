@@ -20,7 +20,9 @@ from vllm_duo import vllm_seam
 from vllm_duo.kernels.attention import triton_attention, write_step
 from vllm_duo.kernels.cache_write import as_scale, scale_tensors
 from vllm_duo.kernels.queries import retrieval_queries
+from vllm_duo.kernels.decode import _sm_count
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
+from vllm_duo.kernels.row_pages import merge_rows, row_pages, row_views
 
 
 def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -42,10 +44,13 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         flash_schedules: the step's FlashAttention-3 tile schedules by retrieval-head count, shared by its layers
             (`retrieval_flash_attention`); multi-token batches only, which run outside CUDA graphs.
         retrieval_seq_lens: where the squeeze is on, the keys FlashAttention reads of each row's retrieval heads
-            (1 at rows whose squeezed decode follows, `SqueezeRows.flash_seq_lens`); FlashAttention then takes
+            from `retrieval_table`'s first page (at squeezed rows the window after the context, whose pages the
+            table lists from there on: `SqueezeRows.flash_seq_lens`, `window_table`); FlashAttention then takes
             the retrieval heads of decode too.
-        squeezed: the squeeze's lookup and sparse decode of the retrieval heads (`ClusteredContexts.decode`), run
-            right after them on the same stream, so that the streaming heads' decode runs beside both.
+        squeezed: the squeeze's lookup and attention over the selected keys (`ClusteredContexts.decode`), given
+            how to attend them (`selected_rows_attention` after FlashAttention's window pass, or None: the Triton
+            sparse decode) and run right after the window pass on the same stream, so that the streaming heads'
+            decode runs beside both.
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
@@ -56,10 +61,10 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash)
-    then = squeezed or (lambda: None)
     if not (by_flash and heads.num_retrieval):
         streaming()
-        then()
+        if squeezed is not None:
+            squeezed(None)
         return
     if retrieval_table is None:
         retrieval_table = block_table[:, ::heads.stride].contiguous()
@@ -71,8 +76,10 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         schedules=flash_schedules if max_query_len > 1 else None)
 
     def retrieval() -> None:
-        flash_part()
-        then()
+        window = flash_part(with_lse=squeezed is not None)
+        if squeezed is not None:
+            squeezed(functools.partial(selected_rows_attention, flash, *window, cache, heads, query_start_loc,
+                                       block_table, scale, output, quant))
 
     if max_query_len == 1 and heads.num_streaming:
         beside(streaming, retrieval, query.device)
@@ -117,7 +124,8 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, retrieval_table: torch.Tensor,
                               scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int,
                               quant: KVQuant | None = None, num_splits: int = 0,
-                              schedules: dict[int, torch.Tensor] | None = None) -> None:
+                              schedules: dict[int, torch.Tensor] | None = None,
+                              with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and
@@ -131,6 +139,9 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     vLLM's FLASH_ATTN computes it once per step for all layers. `schedules` does the same for the
     layers of one retrieval-head count: the first computes it with this call's own arguments, the
     others of the step reuse it (a schedule fits only the head counts, dtype and batch it was made for).
+
+    `with_lse`: returns the queries as FlashAttention took them, `[num_tokens, R * G, head_dim]`, and the
+    log-sum-exp `[R * G, num_tokens]` of each retrieval query head, for a pass that merges with this one.
     """
     R = heads.num_retrieval
     options = {}  # the fp8 descales, the step's schedule
@@ -157,10 +168,49 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
-                block_table=retrieval_table, num_splits=num_splits, out=into, **options)
-    if into is not None:
-        return
-    if heads.retrieval_first:
+                block_table=retrieval_table, num_splits=num_splits, out=into, return_softmax_lse=with_lse,
+                **options)
+    out, lse = out if with_lse else (out, None)
+    if into is None and heads.retrieval_first:
         output[:, :R * heads.group_size].copy_(out)
-    else:
+    elif into is None:
         output[:, heads.retrieval_q] = out.to(output.dtype)
+    return (q, lse) if with_lse else None
+
+
+def selected_rows_attention(flash, queries: torch.Tensor, window_lse: torch.Tensor, cache: torch.Tensor,
+                            heads: LayerHeads, query_start_loc: torch.Tensor, block_table: torch.Tensor,
+                            scale: float, output: torch.Tensor, quant: KVQuant | None, selected: torch.Tensor,
+                            num_selected: torch.Tensor, context_ends: torch.Tensor) -> None:
+    """The squeeze's second pass: FlashAttention over pages of one cache row listing each squeezed row's sinks and
+    selected keys per retrieval head (kernels/row_pages.py), merged into `output` with the window pass that
+    `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries` and `window_lse`).
+
+    One batch entry per (request, retrieval KV head), its G query heads at the request's last token; rows without a
+    context have empty lists and are not merged. Fixed shapes, no host syncs: CUDA-graph capturable."""
+    R, G, num_reqs = heads.num_retrieval, heads.group_size, context_ends.shape[0]
+    pages, lens, starts = row_pages(selected, num_selected, context_ends, block_table, heads, cache.shape[2],
+                                    cache.shape[3])
+    if queries.shape[0] != num_reqs:  # a mixed batch: each request's last token
+        queries = queries[query_start_loc[1:] - 1]
+    options = {}
+    if cache.dtype == torch.float8_e4m3fn:
+        shape = (num_reqs * R, 1)
+        k_scale, v_scale = scale_tensors(quant, cache)
+        options = dict(q_descale=as_scale((quant or KVQuant()).q_scale, cache.device).expand(shape),
+                       k_descale=k_scale.expand(shape), v_descale=v_scale.expand(shape))
+    k_rows, v_rows = row_views(cache)
+    out, lse = flash(q=queries.reshape(num_reqs * R, G, -1), k=k_rows, v=v_rows, cu_seqlens_q=starts,
+                     max_seqlen_q=1, seqused_k=lens, max_seqlen_k=pages.shape[1], softmax_scale=scale, causal=False,
+                     block_table=pages, num_splits=row_splits(num_reqs * R, cache.device), return_softmax_lse=True,
+                     **options)
+    merge_rows(output, window_lse, out, lse, heads, query_start_loc, context_ends)
+
+
+def row_splits(entries: int, device: torch.device) -> int:
+    """FlashAttention's KV splits for the row pass: about 4 programs per SM over all entries, at most
+    FLASH_MAX_SPLITS (at 16 entries of 8k keys on an H100, 32 splits read at 0.91 ms a step, its own choice 1.04);
+    1 off CUDA (the tests' stand-in)."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(FLASH_MAX_SPLITS, -(-4 * _sm_count(device.index) // max(entries, 1))))

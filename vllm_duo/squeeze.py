@@ -9,23 +9,25 @@ the CSR of positions per cluster. At decode each request scores its query agains
 (kernels/selection.py, the paper's Eq. 1, max over the GQA group), takes clusters from the best score band down
 until their keys fill `budget` of the clustered positions (`select_banded`: bands of 12.5% in score, no sort; in the
 band that meets the budget, its clusters in cluster order until it is met), and attends exactly over those keys plus
-the sinks and the recent window (kernels/sparse_decode.py):
+the sinks and every position after the context (its window; FlashAttention's two passes in gpu_attention.py,
+or kernels/sparse_decode.py):
 
-    prompt of 4,096 tokens, sink 64, recent 256, keys_per_cluster 16, budget 0.25
-    clustered positions  [64, 4,096)                  -> 252 clusters per retrieval KV head
-    decode at seq_len 4,100, each retrieval KV head:
-        sinks [0, 64)  +  best clusters' positions until >= 0.25 x 4,032 = 1,008 keys  +  window [3,844, 4,100)
+    prompt of 4,352 tokens, sink 64, tail 256, keys_per_cluster 16, budget 0.25
+    context [0, 4,096), clustered positions [64, 4,096)   -> 252 clusters per retrieval KV head
+    decode at seq_len 4,360, each retrieval KV head:
+        sinks [0, 64)  +  best clusters' positions until >= 0.25 x 4,032 = 1,008 keys  +  window [4,096, 4,360)
 
-Tokens generated after the prompt are not clustered: they are read whole, the sparse decode's window starting at
-the prompt's end at the latest (`context_ends`).
+The prompt's tail and the tokens generated after it are not clustered: they are read whole, however many.
+A context ends on a block boundary (`block_size`), so that FlashAttention reads its window from a page's start.
 
 Serving (backend.py) plans each step once (`ClusteredContexts.plan`). A context is a prompt but its last `tail`
 tokens: the slot keeps its tokens, and every later prompt that starts with them reads it, so a document asked many
 questions is clustered once:
 
-    tail 256; request A: document (100,000 tokens) + question 60 -> clustered [64, 99,804), built as A's prefill ends
-    request B: the same document + question 120 -> its first 99,804 tokens are A's context: B reads A's slot,
-        its retrieval heads reading [99,804, seq_len) whole
+    tail 256, block size 16; request A: document (100,000 tokens) + question 60 -> context [0, 99,792) (100,060 - 256
+        down to a block boundary), clustered [64, 99,792), built as A's prefill ends
+    request B: the same document + question 120 -> its first 99,792 tokens are A's context: B reads A's slot,
+        its retrieval heads reading [99,792, seq_len) whole
     request C: another document -> a free slot, or the least recently read one no request is reading
 
 A long enough prompt takes its slot in the step where its prefill ends (or joins one whose context it starts with,
@@ -78,6 +80,16 @@ def to_fp8_centroids(centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (centroids / scales[..., None, None]).to(FP8_CENTROIDS), scales
 
 
+def window_pages(retrieval_table: torch.Tensor, context_ends: torch.Tensor, block_size: int,
+                 into: torch.Tensor) -> None:
+    """`SqueezeRows.window_table` into `into` (a buffer CUDA graphs replay from): each row's retrieval pages from its
+    context end's page on (ends are block aligned), `retrieval_table` `[num_reqs, columns]` shifted left by that many
+    pages."""
+    columns = min(retrieval_table.shape[1], into.shape[1])
+    shift = torch.arange(columns, dtype=torch.int32, device=into.device) + context_ends[:, None] // block_size
+    into[:, :columns].copy_(retrieval_table.gather(1, shift.clamp_(max=retrieval_table.shape[1] - 1).long()))
+
+
 @dataclass
 class SqueezeStep:
     """One step's plan, per batch row: the slot it reads (-1: none), where that context ends (0: none) and the keys
@@ -98,14 +110,16 @@ class SqueezeStep:
 class SqueezeRows:
     """A step's plan as the kernels read it: `[num_reqs]` int32 tensors on the cache's device (slices of the store's
     one row buffer, which every layer and CUDA graph reads: `ClusteredContexts.stage`), and the plan itself for the
-    PyTorch path and the builds. `flash_seq_lens` is the step's seq_lens with 1 at the rows that read a context: what
-    FlashAttention reads of their retrieval heads before the sparse decode overwrites them."""
+    PyTorch path and the builds. `flash_seq_lens` is the step's seq_lens less the context end at the rows that read
+    a context: FlashAttention's window pass over their retrieval heads, from `window_table`'s first page (the
+    backend's retrieval pages of each row from its context end's page on; None where FlashAttention is not used)."""
 
     step: SqueezeStep
     context_ids: torch.Tensor
     context_ends: torch.Tensor
     budget: torch.Tensor
     flash_seq_lens: torch.Tensor
+    window_table: torch.Tensor | None = None
 
 
 class ClusteredContexts:
@@ -122,8 +136,10 @@ class ClusteredContexts:
     """
 
     def __init__(self, retrieval_per_layer: list[int], head_dim: int, sink: int, settings: SqueezeSettings,
-                 device: torch.device | str = "cpu", centroid_dtype: torch.dtype = torch.bfloat16, max_rows: int = 1):
+                 device: torch.device | str = "cpu", centroid_dtype: torch.dtype = torch.bfloat16, max_rows: int = 1,
+                 block_size: int = 1):
         self.settings, self.sink, self.device = settings, sink, torch.device(device)
+        self.block_size = block_size  # contexts end on a block boundary, where FlashAttention's window pass starts
         slots, T = settings.max_contexts, settings.max_context_len
         C = settings.num_clusters(T)
         self.centroids = [torch.zeros(slots, R, C, head_dim, dtype=centroid_dtype, device=device)
@@ -220,7 +236,7 @@ class ClusteredContexts:
         the prompt adds to it is itself long enough to squeeze; else a free slot, or the least recently read one that
         no live request reads, which it claims and `step` builds; else none."""
         settings = self.settings
-        end = prompt_len - settings.tail
+        end = (prompt_len - settings.tail) // self.block_size * self.block_size
         if not (settings.min_context_len <= prompt_len and 0 < end - self.sink
                 and prompt_len - self.sink <= settings.max_context_len):
             return
@@ -254,7 +270,7 @@ class ClusteredContexts:
         # from pinned memory: a copy from pageable memory would wait for the GPU to finish the step before
         buffer[:3].copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
         buffer[3].copy_(seq_lens)
-        buffer[3].masked_fill_(buffer[1] > 0, 1)
+        buffer[3].sub_(buffer[1])
         return SqueezeRows(step, *buffer)
 
     def clustered(self, slot: int) -> int:
@@ -276,14 +292,20 @@ class ClusteredContexts:
 
     def decode(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-               output: torch.Tensor, rows: SqueezeRows, quant: KVQuant | None = None) -> None:
-        """The retrieval heads of the rows that read a context, by the Triton kernels: their lookup, then the sparse
-        decode over sinks, selected keys and window, written into `output`; other rows are left as they are. Fixed
-        shapes and no host syncs: CUDA-graph capturable."""
+               output: torch.Tensor, rows: SqueezeRows, quant: KVQuant | None = None,
+               attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """The retrieval heads of the rows that read a context, by the Triton kernels: their lookup, then attention
+        over sinks, selected keys and window, written into `output`; other rows are left as they are. `attend`
+        (selected, num_selected, context_ends) attends the selection where FlashAttention has read the window
+        (gpu_attention.selected_rows_attention); None: the Triton sparse decode reads all of it. Fixed shapes and
+        no host syncs: CUDA-graph capturable."""
         selected, counts = self.select(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale,
                                        self.settings.max_selected())
-        sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, selected,
-                                counts, quant=quant, checked=True, context_ends=rows.context_ends)
+        if attend is not None:
+            attend(selected, counts, rows.context_ends)
+        else:
+            sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
+                                    selected, counts, quant=quant, checked=True, context_ends=rows.context_ends)
         self._count(selected, counts, seq_lens, rows.context_ends, heads)
 
     def decode_reference(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,

@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The squeeze's sparse decode as two FlashAttention passes (gpu_attention.py runs them): the window pass over each
+squeezed row's retrieval pages from its context's end on, then a pass over pages of one cache row listing its sinks
+and selected keys, the two merged by their log-sum-exp. This module builds the second pass's page lists and merges;
+it imports no FlashAttention (the merge takes any pass's output and log-sum-exp).
+
+A duo cache `[num_blocks, 2, block_size, P, head_dim]` seen as rows of `head_dim` elements: the K row of retrieval
+head r at position p is
+
+    row = block * (2 * block_size * P) + (p % block_size) * P + r,   block = block_table[req, p // block_size * stride]
+
+and its V row is `block_size * P` rows further, so that `rows[:-block_size * P]` and `rows[block_size * P:]`,
+viewed as `[rows, 1, 1, head_dim]` paged K and V (pages of one row, one KV head), take the same page ids:
+
+    request 0 (context end 4,096, sink 64), retrieval head 1, 3 selected positions
+    entry 0 * R + 1: pages [row(0), ..., row(63), row(sel[0]), row(sel[1]), row(sel[2]), 0, ...], length 67
+    its query: request 0's last token at head 1's G query heads
+
+The window [context end, seq_len) is the first pass's (FlashAttention over the retrieval pages shifted by the
+context end's page: context ends are block aligned). FlashAttention reads each list's selected keys at about 1.2
+TB/s where the Triton sparse decode (sparse_decode.py) reads them at 0.8 (kernels_bench.py --squeeze-decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_duo.kernels.reference import LayerHeads
+
+PAGE_SLOTS = 256  # list entries per program
+
+
+@triton.jit(do_not_specialize=["num_retrieval", "stride", "sink", "max_selected", "list_len"])
+def _row_pages_kernel(selected_ptr, num_selected_ptr, context_ends_ptr, block_table_ptr, pages_ptr, lens_ptr,
+                      cu_ptr, num_retrieval, stride, sink, max_selected, list_len,
+                      stride_sr: tl.int64, stride_sh: tl.int64, stride_nr: tl.int64, stride_nh: tl.int64,
+                      stride_table: tl.int64, stride_pe: tl.int64,
+                      BLOCK_SIZE: tl.constexpr, PAGE_HEADS: tl.constexpr, SLOTS: tl.constexpr):
+    """Grid (num_reqs, R, cdiv(list_len, SLOTS)): SLOTS entries of entry (req, head)'s page list; the first program
+    of an entry writes its length (0 at a row without context) and its query start."""
+    req, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    entry = req * num_retrieval + head
+    squeezed = tl.load(context_ends_ptr + req) > 0
+    count = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
+    length = tl.where(squeezed, sink + count, 0)
+    index = chunk * SLOTS + tl.arange(0, SLOTS)
+    live = index < length
+    chosen = tl.load(selected_ptr + req * stride_sr + head * stride_sh + (index - sink), mask=live & (index >= sink),
+                     other=0)
+    pos = tl.where(index < sink, index, chosen)
+    block = tl.load(block_table_ptr + req * stride_table + pos // BLOCK_SIZE * stride, mask=live, other=0)
+    row = block.to(tl.int64) * (2 * BLOCK_SIZE * PAGE_HEADS) + (pos % BLOCK_SIZE) * PAGE_HEADS + head
+    tl.store(pages_ptr + entry * stride_pe + index, tl.where(live, row, 0).to(tl.int32), mask=index < list_len)
+    if chunk == 0:
+        tl.store(lens_ptr + entry, length)
+        tl.store(cu_ptr + entry, entry)
+        if entry == tl.num_programs(0) * num_retrieval - 1:
+            tl.store(cu_ptr + entry + 1, entry + 1)
+
+
+def row_pages(selected: torch.Tensor, num_selected: torch.Tensor, context_ends: torch.Tensor,
+              block_table: torch.Tensor, heads: LayerHeads, block_size: int, page_heads: int,
+              sink: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page lists of one cache row for the second pass: one entry per (request, retrieval head), its sinks then its
+    selected positions.
+
+    Args:
+        selected: `[num_reqs, R, max_selected]` int32 positions, `num_selected` `[num_reqs, R]` int32 (selection.py).
+        context_ends: `[num_reqs]` int32: 0 at rows that read no clustered context (their lists are empty).
+        block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
+        block_size, page_heads: the cache's token slots per block and retrieval page slots P.
+        sink: default `heads.sink`.
+
+    Returns:
+        pages `[num_reqs * R, sink + max_selected]` int32 row ids (0 past each length), lengths `[num_reqs * R]` int32
+        and query starts `[num_reqs * R + 1]` int32 (entry i's query is row i of the `[num_reqs * R, G, head_dim]`
+        queries).
+    """
+    sink = heads.sink if sink is None else sink
+    num_reqs, R, max_selected = selected.shape
+    list_len = sink + max_selected
+    device = selected.device
+    pages = torch.empty(num_reqs * R, list_len, dtype=torch.int32, device=device)
+    lens = torch.empty(num_reqs * R, dtype=torch.int32, device=device)
+    starts = torch.empty(num_reqs * R + 1, dtype=torch.int32, device=device)
+    if num_reqs * R == 0:
+        return pages, lens, starts.zero_()
+    slots = PAGE_SLOTS if device.type == "cuda" else 16
+    _row_pages_kernel[(num_reqs, R, triton.cdiv(list_len, slots))](
+        selected, num_selected, context_ends, block_table, pages, lens, starts, R, heads.stride, sink, max_selected,
+        list_len, *selected.stride()[:2], *num_selected.stride(), block_table.stride(0), pages.stride(0),
+        BLOCK_SIZE=block_size, PAGE_HEADS=page_heads, SLOTS=slots)
+    return pages, lens, starts
+
+
+def row_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a contiguous duo cache `[num_blocks, 2, block_size, P, head_dim]` as `[rows, 1, 1, head_dim]`
+    pages of one row that `row_pages`' ids index (as many pages each)."""
+    block_size, page_heads, head_dim = cache.shape[2:]
+    rows = cache.view(-1, head_dim)
+    return rows[:-block_size * page_heads, None, None], rows[block_size * page_heads:, None, None]
+
+
+@triton.jit(do_not_specialize=["num_retrieval"])
+def _merge_rows_kernel(out_ptr, window_lse_ptr, rows_out_ptr, rows_lse_ptr, retrieval_q_ptr, query_start_loc_ptr,
+                       context_ends_ptr, num_retrieval,
+                       stride_ot: tl.int64, stride_oh: tl.int64, stride_wh: tl.int64, stride_wt: tl.int64,
+                       stride_re: tl.int64, stride_rg: tl.int64, stride_lg: tl.int64, stride_le: tl.int64,
+                       G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (num_reqs, R * G): one squeezed row's retrieval query head h, the window pass's output (in `out`) and
+    the row pass's merged by their log-sum-exp (natural log) into `out`."""
+    req, h = tl.program_id(0), tl.program_id(1)
+    if tl.load(context_ends_ptr + req) == 0:
+        return
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    entry = req * num_retrieval + h // G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lse_a = tl.load(window_lse_ptr + h * stride_wh + token * stride_wt)
+    lse_b = tl.load(rows_lse_ptr + (h % G) * stride_lg + entry * stride_le)
+    top = tl.maximum(lse_a, lse_b)
+    weight_a, weight_b = tl.exp(lse_a - top), tl.exp(lse_b - top)
+    out_row = out_ptr + token * stride_ot + tl.load(retrieval_q_ptr + h) * stride_oh + offs_d
+    a = tl.load(out_row, mask=d_ok, other=0.0).to(tl.float32)
+    b = tl.load(rows_out_ptr + entry * stride_re + (h % G) * stride_rg + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    tl.store(out_row, ((a * weight_a + b * weight_b) / (weight_a + weight_b)).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def merge_rows(output: torch.Tensor, window_lse: torch.Tensor, rows_out: torch.Tensor, rows_lse: torch.Tensor,
+               heads: LayerHeads, query_start_loc: torch.Tensor, context_ends: torch.Tensor) -> None:
+    """Merge the two passes at each squeezed row (context end > 0, one query token) into `output`.
+
+    Args:
+        output: `[num_tokens, num_heads, head_dim]`, holding the window pass's output at the retrieval query heads.
+        window_lse: `[R * G, num_tokens]` float32, the window pass's log-sum-exp per retrieval query head (in
+            `heads.retrieval_q` order).
+        rows_out: `[num_reqs * R, G, head_dim]` and rows_lse `[G, num_reqs * R]`: the row pass's, entry
+            `req * R + r`.
+    """
+    num_reqs, R, G = context_ends.shape[0], heads.num_retrieval, heads.group_size
+    if num_reqs == 0 or R == 0:
+        return
+    head_dim = output.shape[-1]
+    _merge_rows_kernel[(num_reqs, R * G)](
+        output, window_lse, rows_out, rows_lse, heads.retrieval_q, query_start_loc, context_ends, R,
+        *output.stride()[:2], *window_lse.stride(), *rows_out.stride()[:2], *rows_lse.stride(),
+        G=G, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
