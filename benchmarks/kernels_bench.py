@@ -34,8 +34,8 @@ the torch profiler's kernels of both steps.
 squeeze decode (`--squeeze-decode`, issue 33): the same steps at 4 x 64k and 4 x 128k over an fp8 cache, duo as served
 against duo with Squeezed Attention's lookup and sparse decode on its retrieval heads at budgets 1/16, 1/8 and 1/4 of
 the keys (random clusters, fp8 centroids as served: timing only), each step whole, its lookup alone and its sparse
-decode alone, and with bf16 centroids; at 1/16 a probe of the sparse decode by FlashAttention-3 over pages of one
-cache row (page lists built in torch, outside the timing).
+decode alone, and with bf16 centroids; at 1/16 the layer as served (FlashAttention's window pass, the lookup,
+FlashAttention over pages of one cache row listing the selected keys, the merge), also without its lookup.
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, the launch settings of the lookup (clusters per band-kernel chunk,
 output slots per gather program) and of the sparse decode (splits, shortest split, key tile, pipeline stages), each
 part alone, then whole steps with settings combined.
@@ -924,7 +924,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
-    from vllm_duo.squeeze import to_fp8_centroids
+    from vllm_duo.squeeze import to_fp8_centroids, window_pages
 
     counts = resolve_pattern("Meta-Llama-3.1-8B-Instruct")[0].retrieval_counts(0.5)
     results = []
@@ -976,7 +976,13 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             served = SqueezeSettings(budget=1 / k, keys_per_cluster=KEYS_PER_CLUSTER, max_context_len=T)
             return chooser(scores, offsets, positions, budget, served.max_selected())
 
-        one_key = torch.ones(batch, dtype=torch.int32, device=DEV)
+        # as served, the squeezed rows' contexts end a tail of RECENT tokens before their seq_len, on a block boundary:
+        # FlashAttention's window pass reads the window from there (its page table shifted), the selected keys after it
+        ends = torch.full((batch,), context - RECENT, dtype=torch.int32, device=DEV)
+        window_tables = {R: torch.empty_like(table) for R, table in retrieval_tables.items()}
+        window_lens = sl - ends
+        for R, table in retrieval_tables.items():
+            window_pages(table, ends, BLOCK, window_tables[R])
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
                  store=stores, sparse_splits=None, min_split=None, served=False):
@@ -984,8 +990,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
             clusters; `sparse_splits`, `min_split` the sparse decode's (default as served); `served`: the squeeze's
-            layer as the backend runs it (duo_attention_gpu: FlashAttention over one key of each row first, the
-            lookup and sparse decode after it, the streaming heads beside both)."""
+            layer as the backend runs it (duo_attention_gpu: FlashAttention's window pass, the lookup, then
+            FlashAttention over the selected rows and the merge, the streaming heads beside all of it)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -998,7 +1004,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
                     centroids, sizes, offsets, positions, scales = store[R]
 
-                    def retrieval():
+                    def retrieval(attend_rows=None):
                         if lookup:
                             scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE,
                                                      centroid_scales=scales)
@@ -1007,15 +1013,17 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                             selected = choose(scores, offsets, positions, budget, banded)
                         else:
                             selected = selections[R]
-                        if attend:
+                        if attend and attend_rows is not None:
+                            attend_rows(*selected, ends)
+                        elif attend:
                             sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
                                                     max_num_splits=sparse_splits, quant=quant, checked=True,
                                                     min_split=min_split)
                     if served:
                         gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                         out, 1, max_len, quant=quant,
-                                                        retrieval_table=retrieval_tables[R],
-                                                        retrieval_seq_lens=one_key, squeezed=retrieval)
+                                                        retrieval_table=window_tables[R],
+                                                        retrieval_seq_lens=window_lens, squeezed=retrieval)
                         continue
                     streaming = functools.partial(triton_attention, query, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                   out, 1, splits[R], d.cache, quant, streaming_only=True)
@@ -1039,7 +1047,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         if sweep:
             timed("duo", step())
             timed("squeeze 1/16", step(16))
-            timed("squeeze 1/16 as served (FlashAttention over one key first)", step(16, served=True))
+            timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
             timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
             timed("lookup only, bf16 centroids", step(16, write=False, attend=False, store=bf16_stores))
             for band, slots in ((1024, 1024), (1024, 256), (1024, 128), (256, 1024), (256, 256), (256, 128)):
@@ -1075,78 +1083,18 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             res.setdefault("mean_selected", {})[f"1/{k}"] = float(
                 sum(selections[R][1].float().mean() * counts.count(R) for R in selections) / len(counts))
             timed(f"squeeze 1/{k}: sparse decode only", step(k, write=False, lookup=False, selections=selections))
-        flash_rows_probe(res, rows, case, query, layouts, counts, selections_at(16), sl, quant)
         timed("squeeze 1/16, equal centroids (one score band)", step(16, store=flat))
         timed("squeeze 1/16, skewed clusters", step(16, store=skewed))
         timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
-        timed("squeeze 1/16 as served (FlashAttention over one key first)", step(16, served=True))
+        timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
+        timed("squeeze 1/16 as served without the lookup (selections made before)",
+              step(16, served=True, lookup=False, selections=selections_at(16)))
         lookup = step(16, write=False, attend=False)
         res["lookup_kernels"] = profile = kernel_profile(capture(lookup), lookup)
         print_kernels(f"{case} lookup at 1/16, kernels", profile)
         results.append(res)
         del layouts, retrieval_tables, stores, bf16_stores, flat, skewed
         torch.cuda.empty_cache()
-
-
-def flash_rows_probe(res, rows, case, query, layouts, counts, selections, seq_lens, quant):
-    """The sparse decode by FlashAttention-3 over pages of one cache row (`[rows, 1, 1, head_dim]` views of the K and
-    V rows of the duo cache), one batch entry per (request, retrieval KV head) with its G query heads, its page list
-    the rows of its sinks, window and selected positions (built here in torch, outside the timing): time per step
-    against the Triton sparse decode over the same selections, and the largest difference of their outputs."""
-    from vllm_duo import vllm_seam
-    from vllm_duo.kernels.sparse_decode import sparse_decode_attention
-
-    flash = vllm_seam.flash_attn_varlen()
-    batch, G = seq_lens.shape[0], NUM_HEADS // NUM_KV_HEADS
-    inputs, triton_outs = {}, {}
-    for R, (selected, num_selected) in selections.items():
-        d = layouts[R]
-        P, stride, S = d.cache.shape[3], d.heads.stride, selected.shape[-1]
-        window_start = (seq_lens - RECENT).clamp(min=SINK)[:, None, None].long()
-        sinks = torch.arange(SINK, device=DEV).expand(batch, R, SINK)
-        window = (window_start + torch.arange(RECENT, device=DEV)).expand(batch, R, RECENT)
-        chosen = selected.long()
-        listed = (torch.arange(S, device=DEV) < num_selected[..., None]) & (chosen >= SINK) & (chosen < window_start)
-        positions = torch.cat([sinks, window, chosen], -1)
-        valid = torch.cat([torch.ones(batch, R, SINK + RECENT, dtype=torch.bool, device=DEV), listed], -1)
-        order = torch.argsort((~valid).int(), dim=-1, stable=True)
-        positions = positions.gather(-1, order)
-        lens = valid.sum(-1).int()
-        blocks = d.table[:, ::stride].long()
-        block = blocks.gather(1, (positions // BLOCK).view(batch, -1)).view(positions.shape)
-        heads = torch.arange(R, device=DEV)[None, :, None]
-        page = block * (2 * BLOCK * P) + positions % BLOCK * P + heads
-        page = torch.where(torch.arange(positions.shape[-1], device=DEV) < lens[..., None], page, 0)
-        flat = d.cache.view(-1, HEAD_DIM)
-        k_rows, v_rows = flat[:-BLOCK * P, None, None], flat[BLOCK * P:, None, None]  # as many pages each
-        q = query[:, :R * G].to(torch.float8_e4m3fn).reshape(batch * R, G, HEAD_DIM)
-        ones = torch.ones(batch * R, 1, dtype=torch.float32, device=DEV)
-        inputs[R] = (q, k_rows, v_rows, page.view(batch * R, -1).int().contiguous(), lens.view(-1).contiguous(),
-                     torch.arange(batch * R + 1, dtype=torch.int32, device=DEV), ones)
-        triton_outs[R] = torch.zeros(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
-        sparse_decode_attention(query, d.cache, d.heads, torch.arange(batch + 1, dtype=torch.int32, device=DEV),
-                                seq_lens, d.table, SCALE, triton_outs[R], selected, num_selected, quant=quant)
-    for splits in (0, 8, 32):
-        def run(splits=splits):
-            outs = {}
-            for R in counts:
-                q, k_rows, v_rows, table, lens, cu_q, ones = inputs[R]
-                outs[R] = flash(q=q, k=k_rows, v=v_rows, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens,
-                                max_seqlen_k=table.shape[1], softmax_scale=SCALE, causal=False, block_table=table,
-                                num_splits=splits, q_descale=ones, k_descale=ones, v_descale=ones,
-                                return_softmax_lse=True)[0]
-            return outs
-        label = f"squeeze 1/16: sparse decode only, FlashAttention-3 over one-row pages, splits {splits or 'auto'}"
-        try:
-            outs = run()
-            res.setdefault("flash_rows_max_abs_diff", {})[str(splits)] = max(
-                (outs[R].view(-1, R * G, HEAD_DIM).float() - triton_outs[R][:, :R * G].float()).abs().max().item()
-                for R in inputs)
-        except Exception:  # noqa: BLE001 - the probe's finding is whether FA3 takes such pages at all
-            res["errors"][label] = traceback.format_exc()
-            print(f"{case} {label} failed:\n{res['errors'][label]}", file=sys.stderr)
-            continue
-        timed_graph(res, rows, case, label, run)
 
 
 def print_long_decode(results: list[dict]) -> None:
