@@ -31,10 +31,10 @@ from vllm_duo.kernels.reference import KVQuant, LayerHeads
 @triton.jit
 def _key_list(seq_len, num_selected, sink, recent, context_ends_ptr, req, CONTEXT_ENDS: tl.constexpr):
     """(sinks, first window position, list length) of request `req`'s key list: the sinks [0, min(sink, seq_len)),
-    the selected positions, the window [max(sink, context_ends[req]), seq_len), or without context ends
-    [max(sink, seq_len - recent), seq_len)."""
+    the selected positions, the window [max(sink, context_ends[req]), seq_len) (the new token at least), or
+    without context ends [max(sink, seq_len - recent), seq_len)."""
     if CONTEXT_ENDS:
-        window = tl.maximum(sink, tl.load(context_ends_ptr + req))
+        window = tl.maximum(sink, tl.minimum(tl.load(context_ends_ptr + req), seq_len - 1))
     else:
         window = tl.maximum(sink, seq_len - recent)
     num_sink = tl.minimum(sink, seq_len)
