@@ -4,13 +4,13 @@ squeezed row's retrieval pages from its context's end on, then a pass over pages
 and selected keys, the two merged by their log-sum-exp. This module builds the second pass's page lists and merges;
 it imports no FlashAttention (the merge takes any pass's output and log-sum-exp).
 
-A duo cache `[num_blocks, 2, block_size, P, head_dim]` seen as rows of `head_dim` elements: the K row of retrieval
-head r at position p is
+A duo cache `[num_blocks, 2, block_size, P, head_dim]` seen as rows of `head_dim` elements (`row_views`; its blocks
+`B` rows apart, 2 x block_size x P when they are packed): the K row of retrieval head r at position p is
 
-    row = block * (2 * block_size * P) + (p % block_size) * P + r,   block = block_table[req, p // block_size * stride]
+    row = block * B + (p % block_size) * P + r,   block = block_table[req, p // block_size * stride]
 
-and its V row is `block_size * P` rows further, so that `rows[:-block_size * P]` and `rows[block_size * P:]`,
-viewed as `[rows, 1, 1, head_dim]` paged K and V (pages of one row, one KV head), take the same page ids:
+and its V row is `V` rows further (block_size x P when packed), so that K and V seen as `[rows, 1, 1, head_dim]`
+paged caches (pages of one row, one KV head), the V view starting V rows later, take the same page ids:
 
     request 0 (context end 4,096, sink 64), retrieval head 1, 3 selected positions
     entry 0 * R + 1: pages [row(0), ..., row(63), row(sel[0]), row(sel[1]), row(sel[2]), 0, ...], length 67
@@ -32,12 +32,12 @@ from vllm_duo.kernels.reference import LayerHeads
 PAGE_SLOTS = 256  # list entries per program
 
 
-@triton.jit(do_not_specialize=["num_retrieval", "stride", "sink", "max_selected", "list_len"])
+@triton.jit(do_not_specialize=["num_retrieval", "stride", "sink", "max_selected", "list_len", "block_rows",
+                               "token_rows"])
 def _row_pages_kernel(selected_ptr, num_selected_ptr, context_ends_ptr, block_table_ptr, pages_ptr, lens_ptr,
-                      cu_ptr, num_retrieval, stride, sink, max_selected, list_len,
+                      cu_ptr, num_retrieval, stride, sink, max_selected, list_len, block_rows, token_rows,
                       stride_sr: tl.int64, stride_sh: tl.int64, stride_nr: tl.int64, stride_nh: tl.int64,
-                      stride_table: tl.int64, stride_pe: tl.int64,
-                      BLOCK_SIZE: tl.constexpr, PAGE_HEADS: tl.constexpr, SLOTS: tl.constexpr):
+                      stride_table: tl.int64, stride_pe: tl.int64, BLOCK_SIZE: tl.constexpr, SLOTS: tl.constexpr):
     """Grid (num_reqs, R, cdiv(list_len, SLOTS)): SLOTS entries of entry (req, head)'s page list; the first program
     of an entry writes its length (0 at a row without context) and its query start."""
     req, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -51,7 +51,7 @@ def _row_pages_kernel(selected_ptr, num_selected_ptr, context_ends_ptr, block_ta
                      other=0)
     pos = tl.where(index < sink, index, chosen)
     block = tl.load(block_table_ptr + req * stride_table + pos // BLOCK_SIZE * stride, mask=live, other=0)
-    row = block.to(tl.int64) * (2 * BLOCK_SIZE * PAGE_HEADS) + (pos % BLOCK_SIZE) * PAGE_HEADS + head
+    row = block.to(tl.int64) * block_rows + (pos % BLOCK_SIZE) * token_rows + head
     tl.store(pages_ptr + entry * stride_pe + index, tl.where(live, row, 0).to(tl.int32), mask=index < list_len)
     if chunk == 0:
         tl.store(lens_ptr + entry, length)
@@ -61,7 +61,7 @@ def _row_pages_kernel(selected_ptr, num_selected_ptr, context_ends_ptr, block_ta
 
 
 def row_pages(selected: torch.Tensor, num_selected: torch.Tensor, context_ends: torch.Tensor,
-              block_table: torch.Tensor, heads: LayerHeads, block_size: int, page_heads: int,
+              block_table: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
               sink: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Page lists of one cache row for the second pass: one entry per (request, retrieval head), its sinks then its
     selected positions.
@@ -70,7 +70,7 @@ def row_pages(selected: torch.Tensor, num_selected: torch.Tensor, context_ends: 
         selected: `[num_reqs, R, max_selected]` int32 positions, `num_selected` `[num_reqs, R]` int32 (selection.py).
         context_ends: `[num_reqs]` int32: 0 at rows that read no clustered context (their lists are empty).
         block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
-        block_size, page_heads: the cache's token slots per block and retrieval page slots P.
+        cache: the duo cache `row_views` sees (its shape and strides set the row ids).
         sink: default `heads.sink`.
 
     Returns:
@@ -90,17 +90,26 @@ def row_pages(selected: torch.Tensor, num_selected: torch.Tensor, context_ends: 
     slots = PAGE_SLOTS if device.type == "cuda" else 16
     _row_pages_kernel[(num_reqs, R, triton.cdiv(list_len, slots))](
         selected, num_selected, context_ends, block_table, pages, lens, starts, R, heads.stride, sink, max_selected,
-        list_len, *selected.stride()[:2], *num_selected.stride(), block_table.stride(0), pages.stride(0),
-        BLOCK_SIZE=block_size, PAGE_HEADS=page_heads, SLOTS=slots)
+        list_len, cache.stride(0) // cache.shape[-1], cache.stride(2) // cache.shape[-1], *selected.stride()[:2],
+        *num_selected.stride(), block_table.stride(0), pages.stride(0), BLOCK_SIZE=cache.shape[2], SLOTS=slots)
     return pages, lens, starts
 
 
 def row_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a contiguous duo cache `[num_blocks, 2, block_size, P, head_dim]` as `[rows, 1, 1, head_dim]`
-    pages of one row that `row_pages`' ids index (as many pages each)."""
-    block_size, page_heads, head_dim = cache.shape[2:]
-    rows = cache.view(-1, head_dim)
-    return rows[:-block_size * page_heads, None, None], rows[block_size * page_heads:, None, None]
+    """K and V of a duo cache `[num_blocks, 2, block_size, P, head_dim]` as `[rows, 1, 1, head_dim]` pages of one
+    row that `row_pages`' ids index (as many pages each). Its rows must be whole: each token's P heads one after
+    another, its blocks and K/V halves a whole number of rows apart."""
+    head_dim = cache.shape[-1]
+    strides = cache.stride()
+    if strides[3:] != (head_dim, 1) or strides[2] != cache.shape[3] * head_dim or strides[0] % head_dim \
+            or strides[1] % head_dim:
+        raise ValueError(f"a duo cache of shape {tuple(cache.shape)} and strides {strides} has no rows of one head")
+    v_rows = strides[1] // head_dim
+    rows = (cache.shape[0] - 1) * (strides[0] // head_dim) + v_rows  # through the last block's K rows
+    k = torch.as_strided(cache, (rows, 1, 1, head_dim), (head_dim, head_dim, head_dim, 1))
+    v = torch.as_strided(cache, (rows, 1, 1, head_dim), (head_dim, head_dim, head_dim, 1),
+                         cache.storage_offset() + strides[1])
+    return k, v
 
 
 @triton.jit(do_not_specialize=["num_retrieval"])

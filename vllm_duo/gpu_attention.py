@@ -189,8 +189,7 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: torch.Tens
     One batch entry per (request, retrieval KV head), its G query heads at the request's last token; rows without a
     context have empty lists and are not merged. Fixed shapes, no host syncs: CUDA-graph capturable."""
     R, G, num_reqs = heads.num_retrieval, heads.group_size, context_ends.shape[0]
-    pages, lens, starts = row_pages(selected, num_selected, context_ends, block_table, heads, cache.shape[2],
-                                    cache.shape[3])
+    pages, lens, starts = row_pages(selected, num_selected, context_ends, block_table, heads, cache)
     if queries.shape[0] != num_reqs:  # a mixed batch: each request's last token
         queries = queries[query_start_loc[1:] - 1]
     options = {}
