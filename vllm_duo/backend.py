@@ -385,7 +385,8 @@ def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torc
         return
     vllm_seam.record_step_rows()
     longest = min(settings.max_context_len, vllm_config.model_config.max_model_len - serving.plan.sink)
-    settings = settings.model_copy(update={"max_context_len": max(1, longest)})
+    tail = serving.plan.recent if settings.tail is None else settings.tail
+    settings = settings.model_copy(update={"max_context_len": max(1, longest), "tail": tail})
     retrieval = [len(layer.retrieval) for layer in serving.layers]
     centroids = centroid_dtype(vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype)
     _CONTEXTS[id(serving)] = ClusteredContexts(retrieval, head_dim, serving.plan.sink, settings, device, centroids,

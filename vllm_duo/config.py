@@ -31,7 +31,8 @@ class SqueezeSettings(BaseModel):
     keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most, from `init` seeds; max_contexts: slots
     kept at once; min_context_len / max_context_len: the prompts a slot takes (others are served by duo unsqueezed;
     the longest sizes every slot); tail: a prompt's last tokens, read whole rather than clustered, so that prompts
-    which differ only there (one document, other questions) share one clustered context."""
+    which differ only there (one document, other questions) share one clustered context (default the pattern's
+    recent window: a squeezed row then reads at least the window duo reads, every token after its context)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -42,7 +43,7 @@ class SqueezeSettings(BaseModel):
     max_contexts: int = Field(default=4, ge=1)
     min_context_len: int = Field(default=4096, ge=1)
     max_context_len: int = Field(default=131072, ge=1)
-    tail: int = Field(default=256, ge=0)
+    tail: int | None = Field(default=None, ge=0)
     count_reads: bool = False  # count the keys decode reads beyond sinks and window (`ClusteredContexts.read_share`)
 
     def num_clusters(self, num_keys: int) -> int:
