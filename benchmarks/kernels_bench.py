@@ -1089,9 +1089,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
         timed("squeeze 1/16 as served without the lookup (selections made before)",
               step(16, served=True, lookup=False, selections=selections_at(16)))
-        lookup = step(16, write=False, attend=False)
-        res["lookup_kernels"] = profile = kernel_profile(capture(lookup), lookup)
-        print_kernels(f"{case} lookup at 1/16, kernels", profile)
+        for part, fn in (("lookup", step(16, write=False, attend=False)), ("served", step(16, served=True))):
+            res[f"{part}_kernels"] = profile = kernel_profile(capture(fn), fn, top=20)
+            print_kernels(f"{case} {part} at 1/16, kernels", profile)
         results.append(res)
         del layouts, retrieval_tables, stores, bf16_stores, flat, skewed
         torch.cuda.empty_cache()
