@@ -5,12 +5,14 @@
 Scores come from each request's last query token, reduced over the GQA group by max (a KV head's keys serve all of
 its query heads, so a cluster or page counts if any of them wants it). Two selections of clusters: `select_positions`
 (torch, by sorting: the best clusters to the budget, the rule the CPU studies used) and `select_banded` (Triton, by
-score bands to the budget, no sort: the one decode serves). Both, and `select_pages`, have fixed
-shapes and no host syncs (CUDA-graph capturable) and emit the `[num_reqs, R, max_selected]` positions and
-`[num_reqs, R]` counts that `sparse_decode_attention` takes.
+score bands below each row's best to the budget, no sort: the one decode serves, over the keys per band that
+`centroid_scores` counts). Both, and `select_pages`, have fixed shapes and no host syncs (CUDA-graph capturable) and
+emit the `[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that `sparse_decode_attention` takes.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -100,27 +102,41 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
     tl.store(part_l_ptr + part, l_i)
 
 
+SCORE_BANDS = 64  # bands below a row's top band; scores 63 or more below (about 240x) share the last
+
+
+@triton.jit
+def _score_band(scores, top_band, BANDS: tl.constexpr):
+    """How many bands (float32 bits >> 20: the exponent and 3 mantissa bits, 12.5% at most) scores >= 0 sit below
+    their row's top band, at most BANDS - 1."""
+    return tl.minimum(tl.maximum(top_band - (scores.to(tl.int32, bitcast=True) >> 20), 0), BANDS - 1)
+
+
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
-def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, context_ids_ptr, num_clusters, num_tiles,
+def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, context_ids_ptr, scores_ptr,
+                            top_bands_ptr, band_keys_ptr, num_clusters, num_tiles,
                             stride_lr: tl.int64, stride_lh: tl.int64, stride_lg: tl.int64, stride_pr: tl.int64,
-                            stride_ph: tl.int64, stride_pt: tl.int64, stride_or: tl.int64, stride_oh: tl.int64,
+                            stride_ph: tl.int64, stride_pt: tl.int64, stride_nx: tl.int64, stride_nh: tl.int64,
+                            stride_or: tl.int64, stride_oh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
+                            stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
-                            BLOCK_T: tl.constexpr, CONTEXTS: tl.constexpr):
+                            BLOCK_T: tl.constexpr, BANDS: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): each query head's denominator from all tiles' partials, then the tile's scores
-    exp2(s_j - max) / denominator, max over the group (0 for a request without context)."""
+    exp2(s_j - max) / denominator, max over the group (0 for a request without context), and the tile's keys per
+    band (`_score_band`; one-hot sums: no atomics, nothing to zero first). The bands count down from the row's top
+    band, known without the other tiles' scores: each query head's best cluster scores exp2(0) / denominator, so the
+    row's highest score is the largest of those, bit for bit. Tile 0 stores the top band."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
-    if _context_of(context_ids_ptr, req, CONTEXTS) < 0:
-        for chunk in range(TILE_CHUNKS):
-            offs_c = (tile * TILE_CHUNKS + chunk) * BLOCK_C + tl.arange(0, BLOCK_C)
-            tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, tl.zeros([BLOCK_C], tl.float32),
-                     mask=offs_c < num_clusters)
-        return
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
+    has_context = context >= 0
+    tiles_read = tl.where(has_context, num_tiles, 0)  # without a context none: every score 0
+    clusters_read = tl.where(has_context, num_clusters, 0)
     offs_t = tl.arange(0, BLOCK_T)
     offs_g = tl.arange(0, BLOCK_G)
     part = req * stride_pr + head * stride_ph + offs_t[:, None] * stride_pt + offs_g[None, :]
-    t_ok = (offs_t < num_tiles)[:, None]
+    t_ok = (offs_t < tiles_read)[:, None]
     m_t = tl.load(part_m_ptr + part, mask=t_ok, other=float("-inf"))
     l_t = tl.load(part_l_ptr + part, mask=t_ok, other=0.0)
     m = tl.max(m_t, 0)
@@ -128,13 +144,23 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, scores_ptr, cont
     denom = tl.sum(l_t * tl.exp2(m_t - m_safe[None, :]), 0)
     denom = tl.where(denom > 0, denom, 1.0)  # no cluster at all: every score 0
     in_group = offs_g < G
+    top = tl.max(tl.where(in_group, tl.exp2(m - m_safe) / denom, 0.0), 0)
+    top_band = top.to(tl.int32, bitcast=True) >> 20
+    tl.store(top_bands_ptr + req * stride_tr + head * stride_th, top_band, mask=tile == 0)
+    size_row = sizes_ptr + tl.maximum(context, 0) * stride_nx + head * stride_nh
+    bands = tl.arange(0, BANDS)
+    band_keys = tl.zeros([BANDS], tl.int32)
     for chunk in range(TILE_CHUNKS):
         offs_c = (tile * TILE_CHUNKS + chunk) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = offs_c < num_clusters
+        c_read = offs_c < clusters_read
         s = tl.load(logits_ptr + req * stride_lr + head * stride_lh + offs_g[:, None] * stride_lg + offs_c[None, :],
-                    mask=in_group[:, None] & c_ok[None, :], other=float("-inf"))
-        score = tl.where(in_group[:, None], tl.exp2(s - m_safe[:, None]) / denom[:, None], 0.0)
-        tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, tl.max(score, 0), mask=c_ok)
+                    mask=in_group[:, None] & c_read[None, :], other=float("-inf"))
+        score = tl.max(tl.where(in_group[:, None], tl.exp2(s - m_safe[:, None]) / denom[:, None], 0.0), 0)
+        tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, score, mask=offs_c < num_clusters)
+        size = tl.load(size_row + offs_c, mask=c_read, other=0).to(tl.int32)
+        in_band = _score_band(score, top_band, BANDS)[:, None] == bands[None, :]
+        band_keys += tl.sum(tl.where(in_band, size[:, None], 0), 0)
+    tl.store(band_keys_ptr + req * stride_kr + head * stride_kh + tile * stride_kt + bands, band_keys)
 
 
 @triton.jit(do_not_specialize=["num_pages", "stride"])
@@ -169,16 +195,27 @@ def _score_tiles(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
 
+class ClusterScores(NamedTuple):
+    """`centroid_scores`' result: the scores, and what `select_banded` cuts by without reading them all first: each
+    row's top band (the float32 bits >> 20 of its highest score) and each tile's keys per band below it
+    (`_score_band`), the tiles `tile_clusters` clusters each."""
+
+    scores: torch.Tensor  # [num_reqs, R, C] float32
+    top_bands: torch.Tensor  # [num_reqs, R] int32
+    band_keys: torch.Tensor  # [num_reqs, R, tiles, SCORE_BANDS] int32
+    tile_clusters: int
+
+
 def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
                     query_start_loc: torch.Tensor, scale: float, context_ids: torch.Tensor | None = None,
-                    centroid_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    centroid_scales: torch.Tensor | None = None) -> ClusterScores:
     """Squeezed Attention's estimate (its Eq. 1) of the attention weight of one key of each cluster,
     S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale), for each request's last query token, max over the
-    query heads of each retrieval KV head.
+    query heads of each retrieval KV head; with each row's keys per score band, for `select_banded`.
 
     Two launches, each over (request, head, tile of clusters): the logits with each tile's softmax partials, then
-    the scores from every tile's partials. Tiles spread a context's centroids over the whole GPU: a batch of 4
-    requests has only 4 R (request, head) rows, far fewer than the SMs.
+    the scores and the tile's keys per band from every tile's partials. Tiles spread a context's centroids over the
+    whole GPU: a batch of 4 requests has only 4 R (request, head) rows, far fewer than the SMs.
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`.
@@ -194,36 +231,47 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
             (fp8 centroids, which read half the bytes of bf16); None: stored as they are.
 
     Returns:
-        `[num_reqs, R, C]` float32 scores (a request without query tokens gets some other token's).
+        `ClusterScores`: `.scores` `[num_reqs, R, C]` float32 (a request without query tokens gets some other
+        token's).
     """
     num_reqs, R, C = query_start_loc.shape[0] - 1, heads.num_retrieval, centroids.shape[2]
-    scores = torch.empty(num_reqs, R, C, dtype=torch.float32, device=query.device)  # the kernels write every score
+    device = query.device
+    block_c = _score_tiles(device)
+    chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
+    # the kernels write every score, top band and band count
+    scored = ClusterScores(torch.empty(num_reqs, R, C, dtype=torch.float32, device=device),
+                           torch.empty(num_reqs, R, dtype=torch.int32, device=device),
+                           torch.empty(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device),
+                           chunks * block_c)
     if query.shape[0] == 0 or num_reqs == 0 or R == 0 or C == 0:
-        return scores.zero_()
+        for tensor in scored[:3]:
+            tensor.zero_()
+        return scored
     if centroids.shape[1] != R or centroids.shape[-1] != query.shape[-1] or centroids.stride(-1) != 1:
         raise ValueError(f"centroids {tuple(centroids.shape)} must be [contexts, {R}, C, {query.shape[-1]}], "
                          "unit last stride")
     head_dim, G = query.shape[-1], heads.group_size
-    block_g, block_c = max(16, triton.next_power_of_2(G)), _score_tiles(query.device)
-    chunks, tiles = _score_split(num_reqs * R, C, block_c, query.device)
-    logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=query.device)
-    part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=query.device)
-                      for _ in range(2))
-    # without context ids or scales the kernel reads none: `scores` stands in for the pointer
+    block_g = max(16, triton.next_power_of_2(G))
+    scores = scored.scores
+    logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=device)
+    part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=device) for _ in range(2))
+    # without context ids or scales the kernels read none: `scores` stands in for the pointer
     scales = scores if centroid_scales is None else centroid_scales
+    contexts = scores if context_ids is None else context_ids
     _centroid_logits_kernel[(num_reqs, R, tiles)](
-        query, centroids, scales, sizes, scores if context_ids is None else context_ids, logits, part_m, part_l,
-        heads.retrieval_kv, query_start_loc, scale * LOG2E, C, *query.stride()[:2], *centroids.stride()[:3],
-        *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3], *part_m.stride()[:3],
+        query, centroids, scales, sizes, contexts, logits, part_m, part_l, heads.retrieval_kv, query_start_loc,
+        scale * LOG2E, C, *query.stride()[:2], *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2],
+        *logits.stride()[:3], *part_m.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
         SCALED=centroid_scales is not None, num_warps=4)
     _centroid_scores_kernel[(num_reqs, R, tiles)](
-        logits, part_m, part_l, scores, scores if context_ids is None else context_ids, C, tiles,
-        *logits.stride()[:3], *part_m.stride()[:3], *scores.stride()[:2],
+        logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.band_keys, C, tiles,
+        *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
+        *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles),
-        CONTEXTS=context_ids is not None, num_warps=4)
-    return scores
+        BANDS=SCORE_BANDS, CONTEXTS=context_ids is not None, num_warps=4)
+    return scored
 
 
 def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.device) -> tuple[int, int]:
@@ -233,7 +281,7 @@ def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.devic
     if device.type != "cuda":
         return 1, chunks_needed
     want = min(64, triton.cdiv(4 * _sm_count(device.index), max(rows, 1)))
-    chunks = triton.cdiv(chunks_needed, want)
+    chunks = max(1, triton.cdiv(chunks_needed, want))  # 1 without clusters
     return chunks, triton.cdiv(chunks_needed, chunks)
 
 
@@ -318,109 +366,62 @@ def select_positions(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluste
     return torch.where(keep, selected, 0).to(torch.int32), counts.to(torch.int32)
 
 
-SCORE_BANDS = 2048  # a score's band: its float32 bits >> 20 (exponent and 3 mantissa bits, bands of 12.5%)
-BAND_CLUSTERS = 1024  # clusters per chunk of the band kernels on a GPU
+BAND_CLUSTERS = 1024  # the ends kernel's widest chunk of clusters (a tile's, if narrower)
 GATHER_SLOTS = 256  # output slots per gather program on a GPU (1024: lookup 0.34 ms slower at 4 x 128k)
 
 
-@triton.jit
-def _score_band(scores):
-    return (scores.to(tl.int32, bitcast=True) >> 20).to(tl.int32)
-
-
-@triton.jit
-def _cluster_tile(scores_ptr, offsets_ptr, req, head, context, start, num_clusters, stride_sr, stride_sh, stride_ox,
-                  stride_oh, BLOCK_C: tl.constexpr):
-    """Clusters [start, start + BLOCK_C) of a row: (their indices, in range, bands, sizes)."""
-    offs_c = start + tl.arange(0, BLOCK_C)
-    ok = offs_c < num_clusters
-    score = tl.load(scores_ptr + req * stride_sr + head * stride_sh + offs_c, mask=ok, other=0.0)
-    offsets = offsets_ptr + context * stride_ox + head * stride_oh + offs_c
-    size = tl.load(offsets + 1, mask=ok, other=0) - tl.load(offsets, mask=ok, other=0)
-    return offs_c, ok, _score_band(score), size
-
-
-@triton.jit(do_not_specialize=["num_clusters"])
-def _band_sizes_kernel(scores_ptr, offsets_ptr, context_ids_ptr, hist_ptr, num_clusters,
-                       stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
-                       stride_hr: tl.int64, stride_hh: tl.int64, stride_ht: tl.int64,
-                       BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, tiles): each tile's keys per score band, in a histogram of its own (integer atomics: the
-    sums do not depend on order)."""
-    req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    context = _context_of(context_ids_ptr, req, CONTEXTS)
-    if context < 0:
-        return
-    hist_row = hist_ptr + req * stride_hr + head * stride_hh + tile * stride_ht
-    for chunk in range(TILE_CHUNKS):
-        _c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
-                                           (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr, stride_sh,
-                                           stride_ox, stride_oh, BLOCK_C)
-        tl.atomic_add(hist_row + band, size, mask=ok & (size > 0))
-
-
-@triton.jit(do_not_specialize=["num_tiles", "max_selected"])
-def _band_cut_kernel(hist_ptr, budget_ptr, cut_ptr, row_keys_ptr, tile_keys_ptr, counts_ptr, num_tiles, max_selected,
-                     stride_hr: tl.int64, stride_hh: tl.int64, stride_ht: tl.int64, stride_br: tl.int64,
-                     stride_bh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64, BANDS: tl.constexpr):
-    """Grid (num_reqs, R): from the tiles' histograms, the row's cut band (the highest whose keys and those of every
-    band above reach the budget; 0: none does), the keys above it and those the cut band must add (`row_keys`), each
-    tile's keys above the cut and in it (`tile_keys`), and the count for a row where no cluster of the cut band meets
-    the budget (all of them taken, or none needed); `_band_ends_kernel` writes the count where one does."""
-    req, head = tl.program_id(0), tl.program_id(1)
-    bands = tl.arange(0, BANDS)
-    hist_rows = hist_ptr + req * stride_hr + head * stride_hh
-    hist = tl.zeros([BANDS], tl.int32)
-    for tile in range(num_tiles):
-        hist += tl.load(hist_rows + tile * stride_ht + bands)
-    from_band = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys in this band and every band above
-    budget = tl.load(budget_ptr + req * stride_br + head * stride_bh)
-    cut = tl.max(tl.where(from_band >= budget, bands, 0), 0)
-    above = tl.sum(tl.where(bands > cut, hist, 0), 0)
-    in_cut = tl.sum(tl.where(bands == cut, hist, 0), 0)
-    need = budget - above
-    row = req * stride_br + head * stride_bh
-    tl.store(cut_ptr + row, cut)
-    tl.store(row_keys_ptr + 2 * row, above)
-    tl.store(row_keys_ptr + 2 * row + 1, need)
-    tl.store(counts_ptr + row, tl.minimum(above + tl.where(in_cut < need, in_cut, 0), max_selected))
-    tile_row = tile_keys_ptr + req * stride_tr + head * stride_th
-    for tile in range(num_tiles):
-        tile_hist = tl.load(hist_rows + tile * stride_ht + bands)
-        tl.store(tile_row + 2 * tile, tl.sum(tl.where(bands > cut, tile_hist, 0), 0))
-        tl.store(tile_row + 2 * tile + 1, tl.sum(tl.where(bands == cut, tile_hist, 0), 0))
-
-
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
-def _band_ends_kernel(scores_ptr, offsets_ptr, context_ids_ptr, cut_ptr, row_keys_ptr, tile_keys_ptr, ends_ptr,
-                      counts_ptr, num_clusters, num_tiles, max_selected,
-                      stride_sr: tl.int64, stride_sh: tl.int64, stride_ox: tl.int64, stride_oh: tl.int64,
-                      stride_br: tl.int64, stride_bh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
-                      stride_er: tl.int64, stride_eh: tl.int64, stride_es: tl.int64,
-                      BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr,
+def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, context_ids_ptr, budget_ptr, above_ptr,
+                      ends_ptr, counts_ptr, num_clusters, num_tiles, max_selected,
+                      stride_sr: tl.int64, stride_sh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
+                      stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_ox: tl.int64,
+                      stride_oh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64, stride_cr: tl.int64,
+                      stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64, stride_es: tl.int64,
+                      TILE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BANDS: tl.constexpr,
                       CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, tiles): for each cluster of the tile, where its keys end in the row's two runs, inclusive
+    """Grid (num_reqs, R, tiles): `centroid_scores`' tiles of TILE clusters. Each program sums every tile's band keys
+    into the row's cut band (the best band whose keys and those of every better band reach the budget; the last if
+    none does), then writes, for each cluster of its tile, where its keys end in the row's two runs, inclusive
     running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above the cut, `ends[.., 1, c]`
     of the sizes in the cut band. The cut band's clusters are taken while the keys before them are fewer than the
-    row's need, so its run ends at the first that meets it: the program holding that one writes the count."""
+    row's need, so its run ends at the first that meets it: the program holding that one writes the count; where
+    none does (all of them taken, or none needed) tile 0's program writes it, and always the keys above the cut."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
+    row = req * stride_cr + head * stride_ch
+    first = tile == 0
     if context < 0:
+        tl.store(above_ptr + row, 0, mask=first)
+        tl.store(counts_ptr + row, 0, mask=first)
         return
-    row = req * stride_br + head * stride_bh
-    cut = tl.load(cut_ptr + row)
-    above_all = tl.load(row_keys_ptr + 2 * row)
-    need = tl.load(row_keys_ptr + 2 * row + 1)
+    bands = tl.arange(0, BANDS)
     offs_t = tl.arange(0, BLOCK_T)
-    tile_row = tile_keys_ptr + req * stride_tr + head * stride_th
-    base_above = tl.sum(tl.load(tile_row + 2 * offs_t, mask=offs_t < tile, other=0), 0)
-    base_cut = tl.sum(tl.load(tile_row + 2 * offs_t + 1, mask=offs_t < tile, other=0), 0)
+    band_keys = tl.load(band_keys_ptr + req * stride_kr + head * stride_kh + offs_t[:, None] * stride_kt
+                        + bands[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
+    row_keys = tl.sum(band_keys, 0)
+    budget = tl.load(budget_ptr + req * stride_br + head * stride_bh).to(tl.int32)
+    cut = tl.min(tl.where(tl.cumsum(row_keys, 0) >= budget, bands, BANDS - 1), 0)
+    above_all = tl.sum(tl.where(bands < cut, row_keys, 0), 0)
+    in_cut_all = tl.sum(tl.where(bands == cut, row_keys, 0), 0)
+    need = budget - above_all
+    met = (need > 0) & (in_cut_all >= need)  # by one cluster of the cut band
+    tl.store(above_ptr + row, above_all, mask=first)
+    tl.store(counts_ptr + row, tl.minimum(above_all + tl.where(in_cut_all < need, in_cut_all, 0), max_selected),
+             mask=first & ~met)
+    keys_before = tl.sum(tl.where((offs_t < tile)[:, None], band_keys, 0), 0)  # per band, in the tiles before
+    base_above = tl.sum(tl.where(bands < cut, keys_before, 0), 0)
+    base_cut = tl.sum(tl.where(bands == cut, keys_before, 0), 0)
+    top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
+    scores_row = scores_ptr + req * stride_sr + head * stride_sh
+    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
     ends_row = ends_ptr + req * stride_er + head * stride_eh
-    for chunk in range(TILE_CHUNKS):
-        offs_c, ok, band, size = _cluster_tile(scores_ptr, offsets_ptr, req, head, context,
-                                               (tile * TILE_CHUNKS + chunk) * BLOCK_C, num_clusters, stride_sr,
-                                               stride_sh, stride_ox, stride_oh, BLOCK_C)
-        above = tl.where(ok & (band > cut), size, 0)
+    tile_end = tl.minimum((tile + 1) * TILE, num_clusters)
+    for start in range(0, TILE, BLOCK_E):
+        offs_c = tile * TILE + start + tl.arange(0, BLOCK_E)
+        ok = offs_c < tile_end
+        band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
+        size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
+        above = tl.where(ok & (band < cut), size, 0)
         in_cut = tl.where(ok & (band == cut), size, 0)
         above_ends = base_above + tl.cumsum(above, 0)
         cut_ends = base_cut + tl.cumsum(in_cut, 0)
@@ -433,10 +434,10 @@ def _band_ends_kernel(scores_ptr, offsets_ptr, context_ids_ptr, cut_ptr, row_key
 
 
 @triton.jit(do_not_specialize=["num_clusters", "max_selected"])
-def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, row_keys_ptr, ends_ptr, counts_ptr, selected_ptr,
+def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, ends_ptr, counts_ptr, selected_ptr,
                         num_clusters, max_selected,
                         stride_ox: tl.int64, stride_oh: tl.int64, stride_px: tl.int64, stride_ph: tl.int64,
-                        stride_br: tl.int64, stride_bh: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
+                        stride_cr: tl.int64, stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
                         stride_es: tl.int64, stride_qr: tl.int64, stride_qh: tl.int64,
                         OUT_W: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, cdiv(max_selected, OUT_W)): OUT_W output slots, each finding its cluster by a binary search
@@ -444,12 +445,10 @@ def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, row_keys_pt
     the count get 0. Every slot costs the same whatever the clusters' sizes and scores."""
     req, head = tl.program_id(0), tl.program_id(1)
     slot = tl.program_id(2) * OUT_W + tl.arange(0, OUT_W)
-    row = req * stride_br + head * stride_bh
-    context = _context_of(context_ids_ptr, req, CONTEXTS)
-    count = tl.where(context >= 0, tl.load(counts_ptr + row), 0)
-    context = tl.maximum(context, 0)
-    live = slot < count
-    above = tl.load(row_keys_ptr + 2 * row)
+    row = req * stride_cr + head * stride_ch
+    context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the count is 0
+    live = slot < tl.load(counts_ptr + row)
+    above = tl.load(above_ptr + row)
     in_cut = slot >= above
     target = tl.where(in_cut, slot - above, slot)  # the slot's place in its run
     ends_row = ends_ptr + req * stride_er + head * stride_eh + in_cut.to(tl.int64) * stride_es
@@ -472,57 +471,51 @@ def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, row_keys_pt
              mask=slot < max_selected)
 
 
-def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
+def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
                   budget: torch.Tensor, max_selected: int,
                   context_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_positions` without a sort, the budget met a score band at a time (SCORE_BANDS: scores within 12.5%
-    share one): every cluster of the bands above the row's cut, the highest band whose keys and those of every band
-    above reach the budget, then the cut band's clusters in cluster order while the keys taken are fewer than the
-    budget (every band, all of them, if the budget is never met). So a row takes its budget and at most one
-    cluster more, like `select_positions`, but from the best bands rather than the best clusters; positions
-    of the clusters above the cut in cluster order, then those of the cut band's.
+    """`select_positions` without a sort, the budget met a score band at a time: every cluster of the bands above
+    the row's cut, the best band whose keys and those of every better band reach the budget, then the cut band's
+    clusters in cluster order while the keys taken are fewer than the budget (every band, all of them, if the budget
+    is never met). A cluster's band is how far its score sits below the row's highest in bands of the float32 bits
+    >> 20 (scores within 12.5% share one), at most SCORE_BANDS - 1: scores about 240x below the top and lower share
+    the last. So a row takes its budget and at most one cluster more, like `select_positions`, but from the best
+    bands rather than the best clusters; positions of the clusters above the cut in cluster order, then those of the
+    cut band's.
 
-        bands of clusters 0, 1, 2, 3: 7, 9, 8, 8 (higher is better), sizes 3, 5, 2, 4, budget 8: band 9 holds 5
-        keys, bands 8 and up 11: cut 8, need 3: cluster 1, then cluster 2 (0 before it < 3), cluster 3 (2 < 3);
-        positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
+        bands of clusters 0, 1, 2, 3: 2, 0, 1, 1 (band 0 holds the row's highest score), sizes 3, 5, 2, 4,
+        budget 8: band 0 holds 5 keys, bands 0 and 1 11: cut 1, need 3: cluster 1, then cluster 2 (0 before it
+        < 3), cluster 3 (2 < 3); positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
 
-    Four launches: band histograms per tile of clusters, the cut per row, the running ends of the two runs per tile,
-    then the positions, each output slot finding its cluster by a binary search of those ends.
+    Two launches, neither zeroing nor atomics: per tile of clusters, the cut from every tile's keys per band (counted
+    by `centroid_scores`) and the running ends of the two runs; then the positions, each output slot finding its
+    cluster by a binary search of those ends.
 
-    Args and result as `select_positions`' (`budget` `[num_reqs, R]` integers; a negative context id selects
-    nothing); no threshold.
+    Args and result as `select_positions`', but `scored` is `centroid_scores`' result (its `sizes` the offsets'
+    differences), `budget` `[num_reqs, R]` integers, and a negative context id selects nothing; no threshold.
     """
+    scores = scored.scores
     num_reqs, R, C = scores.shape
     device = scores.device
     selected = torch.empty(num_reqs, R, max_selected, dtype=torch.int32, device=device)
-    counts = torch.empty(num_reqs, R, dtype=torch.int32, device=device)  # the cut kernel writes every row's
+    counts = torch.empty(num_reqs, R, dtype=torch.int32, device=device)  # the ends kernel writes every row's
     if num_reqs == 0 or R == 0 or C == 0:
         return selected.zero_(), counts.zero_()
-    block_c = BAND_CLUSTERS if device.type == "cuda" else 16
-    chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
-    hist = torch.zeros(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device)
-    budget = budget.to(torch.int32).expand(num_reqs, R).contiguous()
-    cut = torch.empty(num_reqs, R, dtype=torch.int32, device=device)
-    row_keys = torch.empty(num_reqs, R, 2, dtype=torch.int32, device=device)  # keys above the cut, keys it must add
-    tile_keys = torch.empty(num_reqs, R, tiles, 2, dtype=torch.int32, device=device)  # per tile: above, in the cut
+    tiles = scored.band_keys.shape[2]
+    above = torch.empty_like(counts)  # keys above each row's cut band
     ends = torch.empty(num_reqs, R, 2, C, dtype=torch.int32, device=device)
     contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
     offsets = cluster_offsets.to(torch.int32)
-    common = (*scores.stride()[:2], *offsets.stride()[:2])
-    _band_sizes_kernel[(num_reqs, R, tiles)](
-        scores, offsets, contexts, hist, C, *common, *hist.stride()[:3],
-        BLOCK_C=block_c, TILE_CHUNKS=chunks, CONTEXTS=context_ids is not None)
-    _band_cut_kernel[(num_reqs, R)](
-        hist, budget, cut, row_keys, tile_keys, counts, tiles, max_selected, *hist.stride()[:3], *budget.stride(),
-        *tile_keys.stride()[:2], BANDS=SCORE_BANDS)
     _band_ends_kernel[(num_reqs, R, tiles)](
-        scores, offsets, contexts, cut, row_keys, tile_keys, ends, counts, C, tiles, max_selected, *common,
-        *budget.stride(), *tile_keys.stride()[:2], *ends.stride()[:3],
-        BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles), CONTEXTS=context_ids is not None)
+        scores, scored.top_bands, scored.band_keys, offsets, contexts, budget, above, ends, counts, C, tiles,
+        max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
+        *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
+        TILE=scored.tile_clusters, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(scored.tile_clusters)),
+        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, CONTEXTS=context_ids is not None)
     out_w = GATHER_SLOTS if device.type == "cuda" else 16
     _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
-        offsets, cluster_positions, contexts, row_keys, ends, counts, selected, C, max_selected,
-        *offsets.stride()[:2], *cluster_positions.stride()[:2], *budget.stride(), *ends.stride()[:3],
+        offsets, cluster_positions, contexts, above, ends, counts, selected, C, max_selected,
+        *offsets.stride()[:2], *cluster_positions.stride()[:2], *counts.stride(), *ends.stride()[:3],
         *selected.stride()[:2], OUT_W=out_w, SEARCH_STEPS=C.bit_length(), CONTEXTS=context_ids is not None)
     return selected, counts
 

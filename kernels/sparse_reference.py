@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, attend, read_retrieval
+from vllm_duo.kernels.selection import SCORE_BANDS
 
 
 def key_positions(seq_len: int, chosen: torch.Tensor, sink: int, recent: int,
@@ -136,23 +137,26 @@ def select_positions(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluste
 def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
                   budget: torch.Tensor, max_selected: int,
                   context_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`selection.select_banded`, row by row: the keys per score band (float32 bits >> 20), the highest band from
-    which the keys of it and every band above reach the budget (band 0 if none), every cluster of a band above it in
-    cluster order, then the cut band's clusters in cluster order while the keys taken are fewer than the budget; cut
-    at max_selected; nothing for a request without a context."""
+    """`selection.select_banded`, row by row: each cluster's band, how far its score's float32 bits >> 20 sit below
+    those of the row's highest (at most SCORE_BANDS - 1), the keys per band, the best band from which the keys of it
+    and every better band reach the budget (the last if none does), every cluster of a better band in cluster
+    order, then the cut band's clusters in cluster order while the keys taken are fewer than the budget; cut at
+    max_selected; nothing for a request without a context."""
     num_reqs, R, C = scores.shape
     selected = torch.zeros(num_reqs, R, max_selected, dtype=torch.int32, device=scores.device)
     counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=scores.device)
-    bands = (scores.float().view(torch.int32) >> 20).long()
+    bits = (scores.float().view(torch.int32) >> 20).long()
+    bands = (bits.amax(-1, keepdim=True) - bits).clamp(max=SCORE_BANDS - 1)
     for i in range(num_reqs):
         context = i if context_ids is None else context_ids[i]
         for r in range(R if context >= 0 else 0):
             offsets = cluster_offsets[context, r].tolist()
             sizes = torch.tensor([offsets[c + 1] - offsets[c] for c in range(C)])
-            keys_in = torch.zeros(2048, dtype=torch.long).index_add_(0, bands[i, r].cpu(), sizes)  # every band
-            keys_from = keys_in.flip(0).cumsum(0).flip(0)  # keys in a band and every band above
-            cut = max([band for band in range(2048) if keys_from[band] >= int(budget[i, r])], default=0)
-            clusters = [c for c in range(C) if bands[i, r, c] > cut]
+            keys_in = torch.zeros(SCORE_BANDS, dtype=torch.long).index_add_(0, bands[i, r].cpu(), sizes)
+            keys_through = keys_in.cumsum(0)  # keys in a band and every better one
+            cut = min([band for band in range(SCORE_BANDS) if keys_through[band] >= int(budget[i, r])],
+                      default=SCORE_BANDS - 1)
+            clusters = [c for c in range(C) if bands[i, r, c] < cut]
             taken = sum(int(sizes[c]) for c in clusters)
             for c in range(C):
                 if bands[i, r, c] == cut and sizes[c] > 0 and taken < int(budget[i, r]):

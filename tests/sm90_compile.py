@@ -26,9 +26,9 @@ from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.selection import (GATHER_SLOTS, SCORE_BANDS, _band_cut_kernel, _band_ends_kernel,
-                                         _band_gather_kernel, _band_sizes_kernel, _centroid_logits_kernel,
-                                         _centroid_scores_kernel, _page_scores_kernel, _score_tiles)
+from vllm_duo.kernels.selection import (BAND_CLUSTERS, GATHER_SLOTS, SCORE_BANDS, _band_ends_kernel,
+                                         _band_gather_kernel, _centroid_logits_kernel, _centroid_scores_kernel,
+                                         _page_scores_kernel, _score_tiles)
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -135,12 +135,13 @@ def cases():
                    dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True, SCALED=bool(fp8)), {})
         if "scores" in variants:
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
-                   dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=4, BLOCK_T=64, CONTEXTS=True), {})
+                   dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=4, BLOCK_T=64, BANDS=SCORE_BANDS,
+                        CONTEXTS=True), {})
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
-            bands = dict(BLOCK_C=1024, TILE_CHUNKS=1, CONTEXTS=True)
-            yield f"band sizes {tag}", _band_sizes_kernel, model, cache, bands, {}
-            yield f"band cut {tag}", _band_cut_kernel, model, cache, dict(BANDS=SCORE_BANDS), {}
-            yield f"band ends {tag}", _band_ends_kernel, model, cache, dict(bands, BLOCK_T=64), {}
+            for clusters in (4 * tile, 16 * tile):  # tiles of 4 chunks at 4 x 128k, the widest ends chunk
+                ends = dict(TILE=clusters, BLOCK_E=min(BAND_CLUSTERS, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
+                            CONTEXTS=True)
+                yield f"band ends {tag} tile {clusters}", _band_ends_kernel, model, cache, ends, {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
                    dict(OUT_W=GATHER_SLOTS, SEARCH_STEPS=14, CONTEXTS=True), {})
 

@@ -237,14 +237,19 @@ def test_centroid_scores(group, query_lens, clusters, shared, dtype, fp8):
     sizes = torch.randint(0, 6, (num_contexts, 2, clusters), dtype=torch.int32)
     sizes[-1, -1] = 0
     contexts = torch.tensor([1, 0, 1, -1], dtype=torch.int32) if shared else None
-    scores = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts, scales)
+    scored = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts, scales)
+    scores = scored.scores
     expected = ref.centroid_scores(query, centroids, sizes, heads, starts.tolist(), 0.3,
                                    None if contexts is None else contexts.tolist(), scales)
     tol = TOL[dtype]
     torch.testing.assert_close(scores, expected, rtol=tol.rtol, atol=tol.atol / 10)
-    assert (scores[(sizes if contexts is None else sizes[contexts.long()]) == 0] == 0).all()
+    row_sizes = sizes if contexts is None else sizes[contexts.long()]
+    assert (scores[row_sizes == 0] == 0).all()
+    assert torch.equal(scored.top_bands, scores.amax(-1).view(torch.int32) >> 20)  # from the denominators alone
     if shared:
-        assert (scores[3] == 0).all()  # no context
+        assert (scores[3] == 0).all() and (scored.band_keys[3] == 0).all()  # no context
+        row_sizes[3] = 0
+    assert torch.equal(scored.band_keys.sum((2, 3)), row_sizes.sum(-1))
 
 
 def test_centroid_scores_estimate_a_softmax():
@@ -291,26 +296,37 @@ def test_select_positions(budget, max_selected, shared, threshold):
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
 
 
-@pytest.mark.parametrize("budget, max_selected, shared, C, one_band", [
-    (10, 40, False, 40, False), (0, 8, False, 40, False), (1000, 30, True, 40, False),
-    ("per_row", 64, True, 40, False), (25, 12, False, 40, False),
-    (60, 200, False, 6, False),  # clusters of ~50 keys, wider than the interpreter's 16 lanes
-    (1000, 100, False, 2, False),  # one cluster holds every key (odd ones stay empty), cut at max_selected
-    (50, 200, True, 40, True)])  # every score equal (dummy weights): the budget taken in cluster order
-def test_select_banded(budget, max_selected, shared, C, one_band):
-    """The fast selection: the score bands above the cut whole, the cut band's clusters in cluster order until the
-    budget is met; over several tiles of clusters (the interpreter's tiles hold 16), with ties, empty clusters and
-    rows cut at max_selected. A row takes its budget (or every key there is) and less than one cluster more."""
+@pytest.mark.parametrize("budget, max_selected, shared, C, spread, chunks", [
+    (10, 40, False, 40, "wide", 1), (0, 8, False, 40, "wide", 1), (1000, 30, True, 40, "wide", 1),
+    ("per_row", 64, True, 40, "wide", 1), (25, 12, False, 40, "wide", 1),
+    (60, 200, False, 6, "wide", 1),  # clusters of ~50 keys, wider than the interpreter's 16 lanes
+    (1000, 100, False, 2, "wide", 1),  # one cluster holds every key (odd ones stay empty), cut at max_selected
+    (50, 200, True, 40, "equal", 1),  # every score equal (dummy weights): the budget taken in cluster order
+    (100, 200, False, 40, "far", 1),  # half the keys far below the top: the cut in the last band
+    ("per_row", 200, True, 100, "wide", 3)])  # tiles of 3 chunks, the ends kernel's chunk wider than a tile
+def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypatch):
+    """The fast selection over `centroid_scores`' bands: the score bands above the cut whole, the cut band's clusters
+    in cluster order until the budget is met; over several tiles of clusters (the interpreter's tiles hold 16), with
+    ties, empty clusters and rows cut at max_selected, against the reference over the same scores. A row takes its
+    budget (or every key there is) and less than one cluster more."""
+    if chunks > 1:
+        monkeypatch.setattr("vllm_duo.kernels.selection._score_split",
+                            lambda rows, clusters, block_c, device: (chunks, -(-clusters // (chunks * block_c))))
     num_reqs, R = 4, 3
     lengths = [150, 7, 93, 164]
-    offsets, positions = clustered(2 if shared else num_reqs, R, lengths, C)
-    scores = torch.full((num_reqs, R, C), 0.01) if one_band else torch.rand(num_reqs, R, C) ** 4
-    scores[0, 0, :4] = 0.05
+    num_contexts = 2 if shared else num_reqs
+    offsets, positions = clustered(num_contexts, R, lengths, C)
+    query, heads, starts = scoring_batch(4, 2, [0, 2, 3], [1] * num_reqs)
+    centroids = torch.randn(num_contexts, R, C, query.shape[-1]) * (0.0 if spread == "equal" else 0.5)
+    centroids[0, 0, :4] = centroids[0, 0, 0]  # ties
+    if spread == "far":  # clusters 2, 6, 10, ... (odd ones are empty) e^-30 below the others
+        query[..., 0], centroids[..., 0], centroids[..., 2::4, 0] = 10.0, 0.0, -10.0
     budget = (torch.randint(0, 90, (num_reqs, R), dtype=torch.int32) if budget == "per_row"
               else torch.full((num_reqs, R), budget, dtype=torch.int32))
     contexts = torch.tensor([1, -1, 0, 1], dtype=torch.int32) if shared else None  # request 1 reads none
-    got = select_banded(scores, offsets, positions, budget, max_selected, contexts)
-    expected = ref.select_banded(scores, offsets, positions, budget, max_selected,
+    scored = centroid_scores(query, centroids, offsets.diff(dim=-1), heads, starts, 0.3, contexts)
+    got = select_banded(scored, offsets, positions, budget, max_selected, contexts)
+    expected = ref.select_banded(scored.scores, offsets, positions, budget, max_selected,
                                  None if contexts is None else contexts.tolist())
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
     context = torch.arange(num_reqs) if contexts is None else contexts.clamp(min=0).long()
@@ -321,6 +337,8 @@ def test_select_banded(budget, max_selected, shared, C, one_band):
     assert (got[1][read] >= least[read]).all()
     assert (got[1][read] <= torch.maximum(budget + largest - 1, torch.zeros(()))[read]).all()
     assert (got[1][~read] == 0).all()
+    if spread == "far":
+        assert (scored.scores[..., 2::4] < scored.scores.amax(-1, keepdim=True) / 2 ** 40).all()
 
 
 def summarized(case: Case) -> torch.Tensor:
@@ -359,7 +377,7 @@ def test_clusters_selecting_everything_equal_duo_decode():
     R, C = case.heads.num_retrieval, 6
     offsets, positions = clustered(len(case.seq_lens), R, case.seq_lens, C)
     centroids = torch.randn(len(case.seq_lens), R, C, case.preset.head_dim)
-    scores = centroid_scores(case.query, centroids, offsets.diff(dim=-1), case.heads, case.qsl, case.scale)
+    scores = centroid_scores(case.query, centroids, offsets.diff(dim=-1), case.heads, case.qsl, case.scale).scores
     selected, counts = select_positions(scores, offsets, positions, max(case.seq_lens), max(case.seq_lens))
     full = duo_decode(case, cache, stream, 1)
     assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
