@@ -970,11 +970,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                               torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
         res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
 
-        def choose(scores, offsets, positions, k, banded=True):
-            budget = torch.full(scores.shape[:2], T // k, dtype=torch.int32, device=DEV)
-            chooser = select_banded if banded else select_positions
+        def choose(scored, offsets, positions, k, banded=True):
+            budget = torch.full(scored.scores.shape[:2], T // k, dtype=torch.int32, device=DEV)
             served = SqueezeSettings(budget=1 / k, keys_per_cluster=KEYS_PER_CLUSTER, max_context_len=T)
-            return chooser(scores, offsets, positions, budget, served.max_selected())
+            if banded:
+                return select_banded(scored, offsets, positions, budget, served.max_selected())
+            return select_positions(scored.scores, offsets, positions, budget, served.max_selected())
 
         # as served, the squeezed rows' contexts end a tail of RECENT tokens before their seq_len, on a block boundary:
         # FlashAttention's window pass reads the window from there (its page table shifted), the selected keys after it

@@ -16,8 +16,8 @@ def key_positions(seq_len: int, chosen: torch.Tensor, sink: int, recent: int,
                   context_end: int | None = None) -> torch.Tensor:
     """The positions a retrieval head attends at decode: the sinks, the chosen positions between the sinks and the
     window (others are dropped: each key counts once), the window: every position from `context_end` on (a
-    clustered context's end), or without one (q - recent, q] of the new token q."""
-    window = max(sink, seq_len - recent if context_end is None else context_end)
+    clustered context's end; the new token q at least), or without one (q - recent, q]."""
+    window = max(sink, seq_len - recent if context_end is None else min(context_end, seq_len - 1))
     chosen = chosen.long()
     between = chosen[(chosen >= sink) & (chosen < window)]
     return torch.cat([torch.arange(min(sink, seq_len), device=chosen.device), between,

@@ -500,3 +500,28 @@ def test_flash_passes_equal_the_sparse_decode(name):
     assert_close(out[squeezed][:, q], expected[squeezed][:, q], torch.float32)
     plain = [case.query_start_loc[decoding[0]]]
     assert_close(out[plain][:, q], duo_decode(case, cache, stream)[plain][:, q], torch.float32)
+
+
+def test_row_pages_index_the_cache_rows_through_its_strides():
+    """Row ids and views where the cache's blocks are further apart than their K/V (a layer's view into a shared
+    buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection."""
+    from vllm_duo.kernels.row_pages import row_pages, row_views
+
+    heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, stride 2 (a streaming page group per block), sink 3
+    buffer = torch.randn(7, 3, 16, 2, 32)
+    cache = buffer[:, :2]  # blocks 3 x 16 x 2 rows apart, K/V 16 x 2
+    table = torch.randperm(14, dtype=torch.int32)[None, :].reshape(2, 7) % 7
+    selected = torch.tensor([[[40, 17, 5], [9, 0, 0]], [[50, 3, 3], [60, 61, 20]]], dtype=torch.int32)
+    counts = torch.tensor([[3, 1], [2, 3]], dtype=torch.int32)
+    pages, lens, starts = row_pages(selected, counts, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache)
+    k_rows, v_rows = row_views(cache)
+    assert lens.tolist() == [6, 4, 5, 6] and starts.tolist() == [0, 1, 2, 3, 4]
+    for entry in range(4):
+        req, head = divmod(entry, 2)
+        positions = [0, 1, 2] + selected[req, head, :counts[req, head]].tolist()
+        block = table[req, [p // 16 * 2 for p in positions]].long()
+        ids = pages[entry, :lens[entry]].long()
+        assert torch.equal(k_rows[ids, 0, 0], cache[block, 0, torch.tensor(positions) % 16, head])
+        assert torch.equal(v_rows[ids, 0, 0], cache[block, 1, torch.tensor(positions) % 16, head])
+    _, lens, _ = row_pages(selected, counts, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache)
+    assert lens.tolist() == [0, 0, 5, 6]  # a row without a context lists nothing
