@@ -29,6 +29,7 @@ from vllm_duo.kernels.reference import FP8_FORMATS
 from vllm_duo.kernels.selection import (BAND_CLUSTERS, GATHER_SLOTS, SCORE_BANDS, _band_ends_kernel,
                                          _band_gather_kernel, _centroid_logits_kernel, _centroid_scores_kernel,
                                          _page_scores_kernel, _score_tiles)
+from vllm_duo.kernels.row_pages import PAGE_SLOTS, _merge_rows_kernel, _row_pages_kernel
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -40,11 +41,12 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
     """Element types of the kernels' pointer arguments, by name (the rest are int32 batch metadata)."""
     scales = "fp32" if cache in FP8_FORMATS else TRITON_TYPES[cache]  # a bf16 cache passes itself as its scales
-    types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr"), TRITON_TYPES[model])
+    types = dict.fromkeys(("query_ptr", "out_ptr", "key_ptr", "value_ptr", "rows_out_ptr"), TRITON_TYPES[model])
     types.update(dict.fromkeys(("cache_ptr", "stream_ptr"), TRITON_TYPES[cache]))
     types["centroids_ptr"] = TRITON_TYPES[cache if cache in FP8_FORMATS else model]  # fp8 beside an fp8 cache
     types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "scores_ptr", "summaries_ptr", "logits_ptr",
-                                "part_m_ptr", "part_l_ptr", "centroid_scales_ptr"), "fp32"))
+                                "part_m_ptr", "part_l_ptr", "centroid_scales_ptr", "window_lse_ptr", "rows_lse_ptr"),
+                               "fp32"))
     types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
     types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr"), "i64"))
     return {name: "*" + t for name, t in types.items()}
@@ -128,6 +130,9 @@ def cases():
             constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], MAX_SPLITS=64,
                              MIN_SPLIT=min_split, BLOCK_S=64, CONTEXT_ENDS=True)
             yield f"sparse merge {tag} splits 64", _sparse_merge_kernel, model, cache, constants, {}
+            yield f"row pages {tag}", _row_pages_kernel, model, cache, dict(BLOCK_SIZE=16, SLOTS=PAGE_SLOTS), {}
+            yield (f"merge rows {tag}", _merge_rows_kernel, model, cache,
+                   dict(G=G, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"]), dict(num_warps=1))
         tile = _score_tiles(CUDA)
         common = dict(G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"])
         if variants & {"scores", "logits"}:  # fp8 centroids with their scales beside an fp8 cache

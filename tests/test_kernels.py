@@ -425,12 +425,13 @@ def test_launched_kernels_declare_their_memory_strides_64_bit():
     a launched kernel takes is declared tl.int64."""
     import inspect
 
-    from vllm_duo.kernels import cache_write, decode, prefill, queries, selection, sparse_decode
+    from vllm_duo.kernels import cache_write, decode, prefill, queries, row_pages, selection, sparse_decode
 
     kernels = [decode._decode_kernel, decode._merge_kernel, prefill._prefill_kernel, cache_write._write_kv_kernel,
                queries._quantize_kernel, sparse_decode._sparse_decode_kernel, sparse_decode._sparse_merge_kernel,
                selection._centroid_logits_kernel, selection._centroid_scores_kernel,
-               selection._page_scores_kernel, selection._band_ends_kernel, selection._band_gather_kernel]
+               selection._page_scores_kernel, selection._band_ends_kernel, selection._band_gather_kernel,
+               row_pages._row_pages_kernel, row_pages._merge_rows_kernel]
     for kernel in kernels:
         parameters = inspect.signature(kernel.fn).parameters.values()
         strides = {p.name: p.annotation for p in parameters if p.name.startswith("stride_")}
