@@ -462,44 +462,69 @@ FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],
                                      page_heads=3, sink=8, recent=24)}
 
 
-@pytest.mark.parametrize("name", list(FLASH_PASSES))
-def test_flash_passes_equal_the_sparse_decode(name):
-    """As served with FlashAttention (gpu_attention.py, here with a torch stand-in): the window pass over each
-    squeezed row's pages from its block-aligned context end on, then the pass over pages of one cache row listing
-    its sinks and selected keys (row_pages.py), merged: the sparse decode's result at squeezed rows; a row without a
-    context keeps the window pass over all of its keys, duo's retrieval decode."""
+def flash_passes(case: Case, flash, quant=None) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The squeezed decode as gpu_attention.py serves it with FlashAttention (`flash`): the window pass over each
+    squeezed row's pages from its block-aligned context end on (the first decoding row reads no context), then the
+    pass over pages of one cache row listing its sinks and half its clustered positions, merged -> (output, the
+    sparse decode's reference, squeezed token rows, unsqueezed decoding token rows)."""
     from vllm_duo.gpu_attention import retrieval_flash_attention, selected_rows_attention
     from vllm_duo.squeeze import window_pages
 
-    case = make_case(FLASH_PASSES[name])
-    cache, stream = written_caches(case)
-    p, heads = case.preset, case.heads
-    decoding = [i for i in range(len(case.seq_lens)) if case.query_start_loc[i + 1] - case.query_start_loc[i] == 1]
+    cache, _ = written_caches(case, quant)
+    p, heads, starts = case.preset, case.heads, case.query_start_loc
+    decoding = [i for i in range(len(case.seq_lens)) if starts[i + 1] - starts[i] == 1]
     ends = [0] * len(case.seq_lens)
-    for i in decoding[1:]:  # the first decoding row reads no context
+    for i in decoding[1:]:
         end = (case.seq_lens[i] - 1) // p.block_size * p.block_size
         ends[i] = end if end > p.sink else 0
     assert sum(e > 0 for e in ends) >= 2 and cache.is_contiguous()
     rows = [[torch.arange(p.sink, max(p.sink, e))[torch.rand(max(e - p.sink, 0)) < 0.5]
              for _ in range(heads.num_retrieval)] for e in ends]
-    selected, counts = selection(case, rows)
-    context_ends = torch.tensor(ends, dtype=torch.int32)
+    selected, counts = (x.to(case.device) for x in selection(case, rows))
+    context_ends = torch.tensor(ends, dtype=torch.int32, device=case.device)
     retrieval_table = case.block_table[:, ::heads.stride].contiguous()
     window_table = torch.zeros_like(retrieval_table)
     window_pages(retrieval_table, context_ends, p.block_size, window_table)
     out = case.poisoned_output()
     queries, window_lse = retrieval_flash_attention(
-        stand_in_flash, case.query, cache, heads, case.qsl, case.sl - context_ends, window_table, case.scale, out,
-        max(case.query_start_loc[i + 1] - case.query_start_loc[i] for i in range(len(case.seq_lens))),
-        max(case.seq_lens), with_lse=True)
-    selected_rows_attention(stand_in_flash, queries, window_lse, cache, heads, case.qsl, case.block_table, case.scale,
-                            out, None, selected, counts, context_ends)
-    squeezed = [case.query_start_loc[i] for i, e in enumerate(ends) if e > 0]
-    q = heads.retrieval_q
-    expected = sparse_reference(case, cache, selected, counts, ends)
+        flash, case.query, cache, heads, case.qsl, case.sl - context_ends, window_table, case.scale, out,
+        max(starts[i + 1] - starts[i] for i in range(len(case.seq_lens))), max(case.seq_lens), quant, with_lse=True)
+    selected_rows_attention(flash, queries, window_lse, cache, heads, case.qsl, case.block_table, case.scale, out,
+                            quant, selected, counts, context_ends)
+    expected = sparse_reference(case, cache, selected.cpu(), counts.cpu(), ends)
+    return (out, expected, [starts[i] for i, e in enumerate(ends) if e > 0],
+            [starts[i] for i in decoding if ends[i] == 0])
+
+
+@pytest.mark.parametrize("name", list(FLASH_PASSES))
+def test_flash_passes_equal_the_sparse_decode(name):
+    """With a torch stand-in for FlashAttention: the squeezed rows get the sparse decode's result; a decoding row
+    without a context keeps the window pass over all of its keys, duo's retrieval decode."""
+    case = make_case(FLASH_PASSES[name])
+    out, expected, squeezed, plain = flash_passes(case, stand_in_flash)
+    q = case.heads.retrieval_q
     assert_close(out[squeezed][:, q], expected[squeezed][:, q], torch.float32)
-    plain = [case.query_start_loc[decoding[0]]]
+    cache, stream = written_caches(case)
     assert_close(out[plain][:, q], duo_decode(case, cache, stream)[plain][:, q], torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama_decode", "llama_mixed"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_flash_passes_on_the_gpu(name, kv_dtype):
+    """The same with vLLM's FlashAttention-3 on an H100 (bf16 model; over fp8 K/V its queries are fp8 too, as
+    FlashAttention takes them: a looser tolerance there)."""
+    from vllm_duo import vllm_seam
+
+    flash = vllm_seam.flash_attn_varlen()
+    if flash is None:
+        pytest.skip("vLLM's FlashAttention-3 is not available here")
+    quant = cuda_scales() if kv_dtype in FP8 else None
+    case = make_case(GPU_PRESETS[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
+    out, expected, squeezed, _ = flash_passes(case, flash, quant)
+    q = case.heads.retrieval_q
+    tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[squeezed][:, q].float().cpu(), expected[squeezed][:, q].float().cpu(), **tol)
 
 
 def test_row_pages_index_the_cache_rows_through_its_strides():
