@@ -102,14 +102,19 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
     tl.store(part_l_ptr + part, l_i)
 
 
-SCORE_BANDS = 64  # bands below a row's top band; scores 63 or more below (about 240x) share the last
+SCORE_BANDS = 128  # bands below a row's top band: 64 of 12.5%, then 64 of two octaves (see _score_band)
 
 
 @triton.jit
 def _score_band(scores, top_band, BANDS: tl.constexpr):
-    """How many bands (float32 bits >> 20: the exponent and 3 mantissa bits, 12.5% at most) scores >= 0 sit below
-    their row's top band, at most BANDS - 1."""
-    return tl.minimum(tl.maximum(top_band - (scores.to(tl.int32, bitcast=True) >> 20), 0), BANDS - 1)
+    """Which band below its row's top band a score >= 0 falls in (0 the best): the first BANDS / 2 are float32
+    bits >> 20 steps (the exponent and 3 mantissa bits: 12.5% at most, 8 octaves at 128 bands), the rest two octaves
+    (16 steps) each, so that every float32 score has a band of its own range: under peaked attention the budget
+    reaches far below the top, and the best of those clusters must still go first (bands of 12.5% down to a floor
+    1/256 below the top lumped every cluster under it together, taken in cluster order, and lost 6 points)."""
+    steps = tl.maximum(top_band - (scores.to(tl.int32, bitcast=True) >> 20), 0)
+    fine: tl.constexpr = BANDS // 2
+    return tl.minimum(tl.where(steps < fine, steps, fine + (steps - fine) // 16), BANDS - 1)
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
@@ -477,9 +482,8 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
     """`select_positions` without a sort, the budget met a score band at a time: every cluster of the bands above
     the row's cut, the best band whose keys and those of every better band reach the budget, then the cut band's
     clusters in cluster order while the keys taken are fewer than the budget (every band, all of them, if the budget
-    is never met). A cluster's band is how far its score sits below the row's highest in bands of the float32 bits
-    >> 20 (scores within 12.5% share one), at most SCORE_BANDS - 1: scores about 240x below the top and lower share
-    the last. So a row takes its budget and at most one cluster more, like `select_positions`, but from the best
+    is never met). A cluster's band is how far its score sits below the row's highest (`_score_band`: bands of 12.5%
+    for 8 octaves, then of two octaves). So a row takes its budget and at most one cluster more, like `select_positions`, but from the best
     bands rather than the best clusters; positions of the clusters above the cut in cluster order, then those of the
     cut band's.
 

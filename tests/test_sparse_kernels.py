@@ -302,7 +302,7 @@ def test_select_positions(budget, max_selected, shared, threshold):
     (60, 200, False, 6, "wide", 1),  # clusters of ~50 keys, wider than the interpreter's 16 lanes
     (1000, 100, False, 2, "wide", 1),  # one cluster holds every key (odd ones stay empty), cut at max_selected
     (50, 200, True, 40, "equal", 1),  # every score equal (dummy weights): the budget taken in cluster order
-    (100, 200, False, 40, "far", 1),  # half the keys far below the top: the cut in the last band
+    (100, 200, False, 40, "far", 1),  # half the keys e^-30 below the top: the cut in a band of two octaves
     ("per_row", 200, True, 100, "wide", 3)])  # tiles of 3 chunks, the ends kernel's chunk wider than a tile
 def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypatch):
     """The fast selection over `centroid_scores`' bands: the score bands above the cut whole, the cut band's clusters
@@ -491,9 +491,27 @@ def flash_passes(case: Case, flash, quant=None) -> tuple[torch.Tensor, torch.Ten
         max(starts[i + 1] - starts[i] for i in range(len(case.seq_lens))), max(case.seq_lens), quant, with_lse=True)
     selected_rows_attention(flash, queries, window_lse, cache, heads, case.qsl, case.block_table, case.scale, out,
                             quant, selected, counts, context_ends)
-    expected = sparse_reference(case, cache, selected.cpu(), counts.cpu(), ends)
+    expected = sparse_reference(case, cache, selected, counts, ends)
     return (out, expected, [starts[i] for i, e in enumerate(ends) if e > 0],
             [starts[i] for i in decoding if ends[i] == 0])
+
+
+def test_select_banded_ranks_clusters_far_below_the_top():
+    """Under peaked attention the budget reaches clusters whose scores are many octaves below the best one: those
+    go by score too (bands of two octaves there), not in cluster order."""
+    heads = LayerHeads.build([0], 1, 2, 1, 4, 16)
+    C, size = 64, 4
+    centroids = torch.randn(1, 1, C, 16, generator=torch.Generator().manual_seed(0))
+    offsets = torch.arange(0, size * C + 1, size, dtype=torch.int32).view(1, 1, -1)
+    positions = torch.arange(4, 4 + size * C, dtype=torch.int32).view(1, 1, -1)
+    query = centroids[0, 0, 5].repeat(2, 1)[None] * 3  # cluster 5 holds nearly all the weight
+    scored = centroid_scores(query, centroids, offsets.diff(dim=-1), heads, torch.tensor([0, 1], dtype=torch.int32),
+                             1.0)
+    selected, counts = select_banded(scored, offsets, positions, torch.tensor([[4 * size]], dtype=torch.int32), 64)
+    chosen = set(((selected[0, 0, :counts[0, 0]] - 4) // size).tolist())
+    best = scored.scores[0, 0].argsort(descending=True)
+    assert scored.scores[0, 0, best[1]] < 2 ** -20 * scored.scores[0, 0, best[0]]  # far below the top
+    assert chosen == set(best[:4].tolist())
 
 
 @pytest.mark.parametrize("name", list(FLASH_PASSES))
@@ -508,8 +526,13 @@ def test_flash_passes_equal_the_sparse_decode(name):
     assert_close(out[plain][:, q], duo_decode(case, cache, stream)[plain][:, q], torch.float32)
 
 
+FLASH_GPU = {"llama_decode": GPU_PRESETS["llama_decode"],
+             "llama_mixed": Preset(32, 8, (1, 2, 5, 7), ((0, 1000), (3000, 1), (700, 513), (2000, 1), (2500, 300),
+                                                        (900, 1)), head_dim=128, sink=64, recent=256)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama_decode", "llama_mixed"])
+@pytest.mark.parametrize("name", list(FLASH_GPU))
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_flash_passes_on_the_gpu(name, kv_dtype):
     """The same with vLLM's FlashAttention-3 on an H100 (bf16 model; over fp8 K/V its queries are fp8 too, as
@@ -520,7 +543,7 @@ def test_flash_passes_on_the_gpu(name, kv_dtype):
     if flash is None:
         pytest.skip("vLLM's FlashAttention-3 is not available here")
     quant = cuda_scales() if kv_dtype in FP8 else None
-    case = make_case(GPU_PRESETS[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
+    case = make_case(FLASH_GPU[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     out, expected, squeezed, _ = flash_passes(case, flash, quant)
     q = case.heads.retrieval_q
     tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
