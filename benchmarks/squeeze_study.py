@@ -74,6 +74,11 @@ CHUNKS = (512, 1024, 2048, 4096)  # squeeze-c16-chunkS: K-means per S-token chun
 CHUNK_CLUSTERS = 16
 PAGES = (16, 64)
 AGGREGATES = ("max", "sum")
+# squeeze-c16-bandsB: squeeze-c16's clusters taken by score band, not score (kernels/selection.py's select_banded):
+# bands of float32 bits >> 20 (12.5%) below the row's top; the bands better than the cut whole, then the cut band's
+# clusters in cluster order. B, the bands: 2048 every float32 score's own; 64 the last holding every score 63 steps
+# (~1/256) below the top or more; 128 64 steps, then 64 bands of two octaves; 256 the last at 255 steps (1/2^32)
+BAND_RULES = (2048, 64, 128, 256)
 
 
 @dataclass
@@ -233,12 +238,24 @@ def select(study: Study, layer: int, q: torch.Tensor, region_p: torch.Tensor, sc
     score = score.masked_fill(always, math.inf)  # taken first
     forced = float(units.sizes[0, always].sum())
     order = score.argsort(-1, descending=True)
+    if "-bands" in method.kind:
+        order = band_order(score, int(method.kind.rsplit("bands", 1)[1]))
     ranked = sizes.gather(-1, order)
     take = (ranked.cumsum(-1) - ranked) < budget + forced  # the forced keys come on top of the budget
     chosen_units = torch.zeros_like(take).scatter_(-1, order, take)
     chosen = chosen_units.gather(-1, units.labels[:, None, :].expand(h, steps, n))
     vectors = int((~always).sum()) * (2 if units.high is not None else 1)
     return chosen, (chosen_units * sizes).sum(-1), vectors, forced
+
+
+def band_order(log_score: torch.Tensor, bands: int) -> torch.Tensor:
+    """Units by band of exp(log_score) below the row's top (`BAND_RULES`), ties in unit order: [.., U] indices."""
+    bits = (log_score.exp().float().view(torch.int32) >> 20).long()
+    steps = bits.amax(-1, keepdim=True) - bits
+    if bands == 128:
+        steps = torch.where(steps < 64, steps, 64 + (steps - 64) // 16)
+    band = steps if bands == 2048 else steps.clamp(max=bands - 1)
+    return torch.sort(band, dim=-1, stable=True).indices
 
 
 @dataclass
@@ -279,7 +296,7 @@ def make_prompts(tokenizer, count: int, seed: int, sink: int, recent: int,
 
 
 def unit_families() -> list[str]:
-    return ([f"squeeze-c{c}" for c in CLUSTERS] + ["squeeze-c16-fp8"]
+    return ([f"squeeze-c{c}" for c in CLUSTERS] + ["squeeze-c16-fp8"] + [f"squeeze-c16-bands{b}" for b in BAND_RULES]
             + [f"squeeze-c{CHUNK_CLUSTERS}-chunk{s}" for s in CHUNKS]
             + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
 
@@ -346,7 +363,8 @@ def build_units(study: Study, families: set[str], iters: int, generator: torch.G
     stacked = torch.cat([per_layer[layer] for layer in layers])  # [all retrieval heads, n, d]
     n, timing = stacked.shape[1], {}
     for c in CLUSTERS:
-        if f"squeeze-c{c}" not in families and not (c == 16 and "squeeze-c16-fp8" in families):
+        if f"squeeze-c{c}" not in families and not (c == 16 and any(f.startswith(("squeeze-c16-fp8", "squeeze-c16-bands"))
+                                                                      for f in families)):
             continue
         k = max(1, n // c)
         start = time.perf_counter()
@@ -357,6 +375,8 @@ def build_units(study: Study, families: set[str], iters: int, generator: torch.G
         if c == 16:
             rounded = clusters.centroids.to(torch.float8_e4m3fn).float()
             split_units(study, "squeeze-c16-fp8", dataclasses.replace(units, mean=rounded), layers, per_layer)
+            for bands in BAND_RULES:
+                split_units(study, f"squeeze-c16-bands{bands}", units, layers, per_layer)
         timing[f"squeeze-c{c}"] = {"clusters": k, "iterations": clusters.iterations, "seconds": round(seconds, 3),
                                    "seconds_per_head": round(seconds / stacked.shape[0], 4)}
     for size in CHUNKS:

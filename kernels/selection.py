@@ -102,19 +102,18 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
     tl.store(part_l_ptr + part, l_i)
 
 
-SCORE_BANDS = 128  # bands below a row's top band: 64 of 12.5%, then 64 of two octaves (see _score_band)
+SCORE_BANDS = 256  # bands of 12.5% below a row's top band, the last holding every score 2^-32 below or lower
 
 
 @triton.jit
 def _score_band(scores, top_band, BANDS: tl.constexpr):
-    """Which band below its row's top band a score >= 0 falls in (0 the best): the first BANDS / 2 are float32
-    bits >> 20 steps (the exponent and 3 mantissa bits: 12.5% at most, 8 octaves at 128 bands), the rest two octaves
-    (16 steps) each, so that every float32 score has a band of its own range: under peaked attention the budget
-    reaches far below the top, and the best of those clusters must still go first (bands of 12.5% down to a floor
-    1/256 below the top lumped every cluster under it together, taken in cluster order, and lost 6 points)."""
-    steps = tl.maximum(top_band - (scores.to(tl.int32, bitcast=True) >> 20), 0)
-    fine: tl.constexpr = BANDS // 2
-    return tl.minimum(tl.where(steps < fine, steps, fine + (steps - fine) // 16), BANDS - 1)
+    """How many bands of float32 bits >> 20 (the exponent and 3 mantissa bits: 12.5% at most) a score >= 0 sits
+    below its row's top band (0 the best), at most BANDS - 1 (32 octaves at 256 bands: scores under 2^-32 of the top
+    share the last). Under peaked attention the budget reaches far below the top, and the best of those clusters
+    must still go first: with 64 bands (a floor at 1/256 of the top) duo50-fp8-sq20 lost 5.7 points on SmolLM2, and
+    two-octave bands past 8 octaves recall less attention mass than 12.5% bands throughout
+    (benchmarks/results/2026-11-27-cpu-squeeze-bands)."""
+    return tl.minimum(tl.maximum(top_band - (scores.to(tl.int32, bitcast=True) >> 20), 0), BANDS - 1)
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
@@ -483,7 +482,7 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
     the row's cut, the best band whose keys and those of every better band reach the budget, then the cut band's
     clusters in cluster order while the keys taken are fewer than the budget (every band, all of them, if the budget
     is never met). A cluster's band is how far its score sits below the row's highest (`_score_band`: bands of 12.5%
-    for 8 octaves, then of two octaves). So a row takes its budget and at most one cluster more, like `select_positions`, but from the best
+    down to 2^-32 of it). So a row takes its budget and at most one cluster more, like `select_positions`, but from the best
     bands rather than the best clusters; positions of the clusters above the cut in cluster order, then those of the
     cut band's.
 

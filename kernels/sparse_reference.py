@@ -138,8 +138,7 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
                   budget: torch.Tensor, max_selected: int,
                   context_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`selection.select_banded`, row by row: each cluster's band, by how far its score's float32 bits >> 20 sit
-    below those of the row's highest (one band a step for the first SCORE_BANDS / 2, then one per two octaves, 16
-    steps; at most SCORE_BANDS - 1), the keys per band, the best band from which the keys of it
+    below those of the row's highest (at most SCORE_BANDS - 1), the keys per band, the best band from which the keys of it
     and every better band reach the budget (the last if none does), every cluster of a better band in cluster
     order, then the cut band's clusters in cluster order while the keys taken are fewer than the budget; cut at
     max_selected; nothing for a request without a context."""
@@ -147,8 +146,7 @@ def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_p
     selected = torch.zeros(num_reqs, R, max_selected, dtype=torch.int32, device=scores.device)
     counts = torch.zeros(num_reqs, R, dtype=torch.int32, device=scores.device)
     bits = (scores.float().view(torch.int32) >> 20).long()
-    steps, fine = bits.amax(-1, keepdim=True) - bits, SCORE_BANDS // 2  # 12.5% bands, then two octaves each
-    bands = torch.where(steps < fine, steps, fine + (steps - fine) // 16).clamp(max=SCORE_BANDS - 1)
+    bands = (bits.amax(-1, keepdim=True) - bits).clamp(max=SCORE_BANDS - 1)
     for i in range(num_reqs):
         context = i if context_ids is None else context_ids[i]
         for r in range(R if context >= 0 else 0):

@@ -302,7 +302,7 @@ def test_select_positions(budget, max_selected, shared, threshold):
     (60, 200, False, 6, "wide", 1),  # clusters of ~50 keys, wider than the interpreter's 16 lanes
     (1000, 100, False, 2, "wide", 1),  # one cluster holds every key (odd ones stay empty), cut at max_selected
     (50, 200, True, 40, "equal", 1),  # every score equal (dummy weights): the budget taken in cluster order
-    (100, 200, False, 40, "far", 1),  # half the keys e^-30 below the top: the cut in a band of two octaves
+    (100, 200, False, 40, "far", 1),  # half the keys e^-30 below the top: the cut in the last band
     ("per_row", 200, True, 100, "wide", 3)])  # tiles of 3 chunks, the ends kernel's chunk wider than a tile
 def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypatch):
     """The fast selection over `centroid_scores`' bands: the score bands above the cut whole, the cut band's clusters
@@ -498,19 +498,19 @@ def flash_passes(case: Case, flash, quant=None) -> tuple[torch.Tensor, torch.Ten
 
 def test_select_banded_ranks_clusters_far_below_the_top():
     """Under peaked attention the budget reaches clusters whose scores are many octaves below the best one: those
-    go by score too (bands of two octaves there), not in cluster order."""
+    go by score too, not in cluster order."""
     heads = LayerHeads.build([0], 1, 2, 1, 4, 16)
     C, size = 64, 4
     centroids = torch.randn(1, 1, C, 16, generator=torch.Generator().manual_seed(0))
     offsets = torch.arange(0, size * C + 1, size, dtype=torch.int32).view(1, 1, -1)
     positions = torch.arange(4, 4 + size * C, dtype=torch.int32).view(1, 1, -1)
-    query = centroids[0, 0, 5].repeat(2, 1)[None] * 3  # cluster 5 holds nearly all the weight
+    query = centroids[0, 0, 5].repeat(2, 1)[None] * 1.5  # cluster 5 holds nearly all the weight, the next 2^-14
     scored = centroid_scores(query, centroids, offsets.diff(dim=-1), heads, torch.tensor([0, 1], dtype=torch.int32),
                              1.0)
     selected, counts = select_banded(scored, offsets, positions, torch.tensor([[4 * size]], dtype=torch.int32), 64)
     chosen = set(((selected[0, 0, :counts[0, 0]] - 4) // size).tolist())
     best = scored.scores[0, 0].argsort(descending=True)
-    assert scored.scores[0, 0, best[1]] < 2 ** -20 * scored.scores[0, 0, best[0]]  # far below the top
+    assert scored.scores[0, 0, best[1]] < 2 ** -8 * scored.scores[0, 0, best[0]]  # under a floor at 1/256
     assert chosen == set(best[:4].tolist())
 
 
