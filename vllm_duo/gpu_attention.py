@@ -7,6 +7,8 @@ which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8).
 streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads, then the streaming heads, measured
 35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
 FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
+Where the squeeze is on, FlashAttention also reads the keys it selects, as pages of one cache row, merged with its
+window pass (`selected_rows_attention`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 from vllm_duo import vllm_seam
 from vllm_duo.kernels.attention import triton_attention, write_step
 from vllm_duo.kernels.cache_write import as_scale, scale_tensors
-from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.decode import _sm_count
+from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 from vllm_duo.kernels.row_pages import merge_rows, row_pages, row_views
 
