@@ -363,8 +363,8 @@ def build_units(study: Study, families: set[str], iters: int, generator: torch.G
     stacked = torch.cat([per_layer[layer] for layer in layers])  # [all retrieval heads, n, d]
     n, timing = stacked.shape[1], {}
     for c in CLUSTERS:
-        if f"squeeze-c{c}" not in families and not (c == 16 and any(f.startswith(("squeeze-c16-fp8", "squeeze-c16-bands"))
-                                                                      for f in families)):
+        derived = any(f.startswith(("squeeze-c16-fp8", "squeeze-c16-bands")) for f in families)
+        if f"squeeze-c{c}" not in families and not (c == 16 and derived):
             continue
         k = max(1, n // c)
         start = time.perf_counter()

@@ -103,6 +103,8 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
 
 
 SCORE_BANDS = 256  # bands of 12.5% below a row's top band, the last holding every score 2^-32 below or lower
+BAND_COUNT_CLUSTERS = 16  # clusters the scores kernel counts into bands at once: a [16, 256] one-hot (64: 255
+# registers on sm_90)
 
 
 @triton.jit
@@ -273,8 +275,8 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.band_keys, C, tiles,
         *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
         *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
-        G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, BLOCK_T=triton.next_power_of_2(tiles),
-        BANDS=SCORE_BANDS, CONTEXTS=context_ids is not None, num_warps=4)
+        G=G, BLOCK_G=block_g, BLOCK_C=BAND_COUNT_CLUSTERS, TILE_CHUNKS=chunks * block_c // BAND_COUNT_CLUSTERS,
+        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, CONTEXTS=context_ids is not None, num_warps=4)
     return scored
 
 
@@ -482,9 +484,9 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
     the row's cut, the best band whose keys and those of every better band reach the budget, then the cut band's
     clusters in cluster order while the keys taken are fewer than the budget (every band, all of them, if the budget
     is never met). A cluster's band is how far its score sits below the row's highest (`_score_band`: bands of 12.5%
-    down to 2^-32 of it). So a row takes its budget and at most one cluster more, like `select_positions`, but from the best
-    bands rather than the best clusters; positions of the clusters above the cut in cluster order, then those of the
-    cut band's.
+    down to 2^-32 of it). So a row takes its budget and at most one cluster more, like `select_positions`, but from
+    the best bands rather than the best clusters; positions of the clusters above the cut in cluster order, then
+    those of the cut band's.
 
         bands of clusters 0, 1, 2, 3: 2, 0, 1, 1 (band 0 holds the row's highest score), sizes 3, 5, 2, 4,
         budget 8: band 0 holds 5 keys, bands 0 and 1 11: cut 1, need 3: cluster 1, then cluster 2 (0 before it

@@ -137,9 +137,9 @@ def select_positions(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluste
 def select_banded(scores: torch.Tensor, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
                   budget: torch.Tensor, max_selected: int,
                   context_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`selection.select_banded`, row by row: each cluster's band, by how far its score's float32 bits >> 20 sit
-    below those of the row's highest (at most SCORE_BANDS - 1), the keys per band, the best band from which the keys of it
-    and every better band reach the budget (the last if none does), every cluster of a better band in cluster
+    """`selection.select_banded`, row by row: each cluster's band, how far its score's float32 bits >> 20 sit
+    below those of the row's highest (at most SCORE_BANDS - 1), the keys per band, the best band from which the keys
+    of it and every better band reach the budget (the last if none does), every cluster of a better band in cluster
     order, then the cut band's clusters in cluster order while the keys taken are fewer than the budget; cut at
     max_selected; nothing for a request without a context."""
     num_reqs, R, C = scores.shape

@@ -5,8 +5,8 @@ duo's full retrieval decode."""
 
 import pytest
 import torch
-from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Preset, assert_close, assert_only, cuda_scales, decode_rows,
-                          lifted, lifted_table, make_case, written_caches)
+from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Preset, assert_close, assert_only,
+                          cuda_scales, decode_rows, lifted, lifted_table, make_case, written_caches)
 
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.decode import decode_attention
@@ -455,7 +455,7 @@ def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
     return (result, lse) if return_softmax_lse else result
 
 
-# the decode batches with two rows or more past a block: GQA 3, a mixed batch, and 32-token pages of 3 slots, head_dim 80
+# decode batches with two rows or more past a block: GQA 3, a mixed batch, 32-token pages of 3 slots, head_dim 80
 FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],
                 "mixed": Preset(8, 4, (1, 3), ((50, 30), (40, 1), (3, 17), (70, 1), (33, 45), (20, 1))),
                 "wide_pages": Preset(6, 3, (0, 2), ((70, 1), (100, 1), (40, 1), (50, 7)), head_dim=80, block_size=32,
