@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -127,7 +127,7 @@ class DuoAttentionMetadata:
 
     `block_table` rows give each token block its page and its streaming page group (kv_cache.py);
     `retrieval_table` is their page columns alone, contiguous, for FlashAttention (CUDA; None on the
-    CPU); where the squeeze is on, each squeezed row's from its context end on (`SqueezeRows.window_table`).
+    CPU); where the squeeze is on, each squeezed row's from its context end on (`squeeze.window_pages`).
     The kernels read the device tensors; the PyTorch path (CPU) reads the host lists.
     `max_seq_len` bounds the batch's seq_lens: max_model_len in decode-only batches (see the builder).
     `flash_schedules` collects the step's FlashAttention-3 tile schedules as its layers make them, one per
@@ -176,15 +176,16 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         self.max_model_len = vllm_config.model_config.max_model_len
         block_size = vllm_config.cache_config.block_size
         self.stride = serving_plan(vllm_config).layout.stride
-        self.retrieval_table = None
-        if device.type == "cuda" and self.stride > 1:
-            self.retrieval_table = torch.zeros(max_batch_rows(vllm_config), cdiv(self.max_model_len, block_size),
-                                               dtype=torch.int32, device=device)
         self.contexts = _CONTEXTS.get(id(serving_plan(vllm_config)))
-        self.window_table = None  # the squeeze's retrieval pages from each row's context end on (FlashAttention)
-        if device.type == "cuda" and self.contexts is not None:
-            self.window_table = torch.zeros(max_batch_rows(vllm_config), cdiv(self.max_model_len, block_size),
-                                            dtype=torch.int32, device=device)
+
+        def page_columns(needed: bool) -> torch.Tensor | None:  # a page table buffer for FlashAttention (CUDA)
+            if not (needed and device.type == "cuda"):
+                return None
+            return torch.zeros(max_batch_rows(vllm_config), cdiv(self.max_model_len, block_size), dtype=torch.int32,
+                               device=device)
+
+        self.retrieval_table = page_columns(self.stride > 1)
+        self.window_table = page_columns(self.contexts is not None)  # the squeeze's, from each context end on
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> DuoAttentionMetadata:
         metadata = self.build(0, common_attn_metadata)
@@ -215,7 +216,6 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
         if squeeze is not None and self.window_table is not None:  # FlashAttention reads the squeezed rows' windows
             window_table = self.window_table[:num_reqs]
             window_pages(retrieval_table, squeeze.context_ends, self.contexts.block_size, window_table)
-            squeeze = replace(squeeze, window_table=window_table)
             retrieval_table = window_table
         return DuoAttentionMetadata(
             num_actual_tokens=cam.num_actual_tokens,

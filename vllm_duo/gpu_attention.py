@@ -47,7 +47,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             (`retrieval_flash_attention`); multi-token batches only, which run outside CUDA graphs.
         retrieval_seq_lens: where the squeeze is on, the keys FlashAttention reads of each row's retrieval heads
             from `retrieval_table`'s first page (at squeezed rows the window after the context, whose pages the
-            table lists from there on: `SqueezeRows.flash_seq_lens`, `window_table`); FlashAttention then takes
+            table lists from there on: `SqueezeRows.flash_seq_lens`, `squeeze.window_pages`); FlashAttention then takes
             the retrieval heads of decode too.
         squeezed: the squeeze's lookup and attention over the selected keys (`ClusteredContexts.decode`), given
             how to attend them (`selected_rows_attention` after FlashAttention's window pass, or None: the Triton
@@ -150,10 +150,7 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     if cache.dtype == torch.float8_e4m3fn:
         q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
         q = retrieval_queries(query, heads, cache.dtype, q_scale)
-        shape = (seq_lens.shape[0], R)
-        k_scale, v_scale = scale_tensors(quant, cache)
-        options = dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape),
-                       v_descale=v_scale.expand(shape))
+        options = fp8_descales(q_scale, quant, cache, (seq_lens.shape[0], R))
     else:
         q = retrieval_queries(query, heads)
     if schedules is not None:
@@ -196,16 +193,21 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: torch.Tens
         queries = queries[query_start_loc[1:] - 1]
     options = {}
     if cache.dtype == torch.float8_e4m3fn:
-        shape = (num_reqs * R, 1)
-        k_scale, v_scale = scale_tensors(quant, cache)
-        options = dict(q_descale=as_scale((quant or KVQuant()).q_scale, cache.device).expand(shape),
-                       k_descale=k_scale.expand(shape), v_descale=v_scale.expand(shape))
+        q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
+        options = fp8_descales(q_scale, quant, cache, (num_reqs * R, 1))
     k_rows, v_rows = row_views(cache)
     out, lse = flash(q=queries.reshape(num_reqs * R, G, -1), k=k_rows, v=v_rows, cu_seqlens_q=starts,
                      max_seqlen_q=1, seqused_k=lens, max_seqlen_k=pages.shape[1], softmax_scale=scale, causal=False,
                      block_table=pages, num_splits=row_splits(num_reqs * R, cache.device), return_softmax_lse=True,
                      **options)
     merge_rows(output, window_lse, out, lse, heads, query_start_loc, context_ends)
+
+
+def fp8_descales(q_scale: torch.Tensor, quant: KVQuant | None, cache: torch.Tensor, shape: tuple[int, int]) -> dict:
+    """FlashAttention-3's descales over an fp8 cache, `shape` (batch entries, KV heads): the queries' (quantized by
+    `q_scale`), the layer's k and v scales."""
+    k_scale, v_scale = scale_tensors(quant, cache)
+    return dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape), v_descale=v_scale.expand(shape))
 
 
 def row_splits(entries: int, device: torch.device) -> int:

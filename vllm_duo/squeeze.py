@@ -82,9 +82,9 @@ def to_fp8_centroids(centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def window_pages(retrieval_table: torch.Tensor, context_ends: torch.Tensor, block_size: int,
                  into: torch.Tensor) -> None:
-    """`SqueezeRows.window_table` into `into` (a buffer CUDA graphs replay from): each row's retrieval pages from its
-    context end's page on (ends are block aligned), `retrieval_table` `[num_reqs, columns]` shifted left by that many
-    pages."""
+    """FlashAttention's page table for the squeeze's window pass, into `into` (a buffer CUDA graphs replay from): each
+    row's retrieval pages from its context end's page on (ends are block aligned), `retrieval_table`
+    `[num_reqs, columns]` shifted left by that many pages."""
     columns = min(retrieval_table.shape[1], into.shape[1])
     shift = torch.arange(columns, dtype=torch.int32, device=into.device) + context_ends[:, None] // block_size
     into[:, :columns].copy_(retrieval_table.gather(1, shift.clamp_(max=retrieval_table.shape[1] - 1).long()))
@@ -111,15 +111,14 @@ class SqueezeRows:
     """A step's plan as the kernels read it: `[num_reqs]` int32 tensors on the cache's device (slices of the store's
     one row buffer, which every layer and CUDA graph reads: `ClusteredContexts.stage`), and the plan itself for the
     PyTorch path and the builds. `flash_seq_lens` is the step's seq_lens less the context end at the rows that read
-    a context: FlashAttention's window pass over their retrieval heads, from `window_table`'s first page (the
-    backend's retrieval pages of each row from its context end's page on; None where FlashAttention is not used)."""
+    a context: FlashAttention's window pass over their retrieval heads, from the first page of `window_pages`'
+    table (each row's retrieval pages from its context end's page on)."""
 
     step: SqueezeStep
     context_ids: torch.Tensor
     context_ends: torch.Tensor
     budget: torch.Tensor
     flash_seq_lens: torch.Tensor
-    window_table: torch.Tensor | None = None
 
 
 class ClusteredContexts:
