@@ -5,8 +5,8 @@
 Scores come from each request's last query token, reduced over the GQA group by max (a KV head's keys serve all of
 its query heads, so a cluster or page counts if any of them wants it). Two selections of clusters: `select_positions`
 (torch, by sorting: the best clusters to the budget, the rule the CPU studies used) and `select_banded` (Triton, by
-score bands below each row's best to the budget, no sort: the one decode serves, over the keys per band that
-`centroid_scores` counts). Both, and `select_pages`, have fixed shapes and no host syncs (CUDA-graph capturable) and
+score bands below each row's best to the budget, no sort: the one decode serves, over the keys per octave of bands
+that `centroid_scores` counts). Both, and `select_pages`, have fixed shapes and no host syncs (CUDA-graph capturable) and
 emit the `[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that `sparse_decode_attention` takes.
 """
 
@@ -103,8 +103,9 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
 
 
 SCORE_BANDS = 256  # bands of 12.5% below a row's top band, the last holding every score 2^-32 below or lower
-BAND_COUNT_CLUSTERS = 16  # clusters the scores kernel counts into bands at once: a [16, 256] one-hot (64: 255
-# registers on sm_90)
+BAND_OCTAVE = 8  # bands per octave: the scores kernel counts keys per octave (32), the ends kernel splits the cut one
+BAND_COUNT_CLUSTERS = 64  # clusters the scores kernel counts into octaves at once: a [64, 32] one-hot
+CUT_SCAN_CLUSTERS = 256  # the ends kernel's chunk when it counts the cut octave's keys per band over a whole row
 
 
 @triton.jit
@@ -126,12 +127,14 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
                             stride_or: tl.int64, stride_oh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
                             stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BANDS: tl.constexpr, CONTEXTS: tl.constexpr):
+                            BLOCK_T: tl.constexpr, BANDS: tl.constexpr, OCTAVE: tl.constexpr,
+                            CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): each query head's denominator from all tiles' partials, then the tile's scores
     exp2(s_j - max) / denominator, max over the group (0 for a request without context), and the tile's keys per
-    band (`_score_band`; one-hot sums: no atomics, nothing to zero first). The bands count down from the row's top
-    band, known without the other tiles' scores: each query head's best cluster scores exp2(0) / denominator, so the
-    row's highest score is the largest of those, bit for bit. Tile 0 stores the top band."""
+    octave of bands (`_score_band` // BAND_OCTAVE; one-hot sums: no atomics, nothing to zero first). The bands count
+    down from the row's top band, known without the other tiles' scores: each query head's best cluster scores
+    exp2(0) / denominator, so the row's highest score is the largest of those, bit for bit. Tile 0 stores the top
+    band."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -154,8 +157,8 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
     top_band = top.to(tl.int32, bitcast=True) >> 20
     tl.store(top_bands_ptr + req * stride_tr + head * stride_th, top_band, mask=tile == 0)
     size_row = sizes_ptr + tl.maximum(context, 0) * stride_nx + head * stride_nh
-    bands = tl.arange(0, BANDS)
-    band_keys = tl.zeros([BANDS], tl.int32)
+    octaves = tl.arange(0, BANDS // OCTAVE)
+    octave_keys = tl.zeros([BANDS // OCTAVE], tl.int32)
     for chunk in range(TILE_CHUNKS):
         offs_c = (tile * TILE_CHUNKS + chunk) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_read = offs_c < clusters_read
@@ -164,9 +167,9 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
         score = tl.max(tl.where(in_group[:, None], tl.exp2(s - m_safe[:, None]) / denom[:, None], 0.0), 0)
         tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, score, mask=offs_c < num_clusters)
         size = tl.load(size_row + offs_c, mask=c_read, other=0).to(tl.int32)
-        in_band = _score_band(score, top_band, BANDS)[:, None] == bands[None, :]
-        band_keys += tl.sum(tl.where(in_band, size[:, None], 0), 0)
-    tl.store(band_keys_ptr + req * stride_kr + head * stride_kh + tile * stride_kt + bands, band_keys)
+        in_octave = (_score_band(score, top_band, BANDS) // OCTAVE)[:, None] == octaves[None, :]
+        octave_keys += tl.sum(tl.where(in_octave, size[:, None], 0), 0)
+    tl.store(band_keys_ptr + req * stride_kr + head * stride_kh + tile * stride_kt + octaves, octave_keys)
 
 
 @triton.jit(do_not_specialize=["num_pages", "stride"])
@@ -202,13 +205,13 @@ def _score_tiles(device: torch.device) -> int:
 
 
 class ClusterScores(NamedTuple):
-    """`centroid_scores`' result: the scores, and what `select_banded` cuts by without reading them all first: each
-    row's top band (the float32 bits >> 20 of its highest score) and each tile's keys per band below it
-    (`_score_band`), the tiles `tile_clusters` clusters each."""
+    """`centroid_scores`' result: the scores, and what `select_banded` cuts by: each row's top band (the float32
+    bits >> 20 of its highest score) and each tile's keys per octave of bands below it (`_score_band` //
+    BAND_OCTAVE), the tiles `tile_clusters` clusters each."""
 
     scores: torch.Tensor  # [num_reqs, R, C] float32
     top_bands: torch.Tensor  # [num_reqs, R] int32
-    band_keys: torch.Tensor  # [num_reqs, R, tiles, SCORE_BANDS] int32
+    band_keys: torch.Tensor  # [num_reqs, R, tiles, SCORE_BANDS // BAND_OCTAVE] int32
     tile_clusters: int
 
 
@@ -220,8 +223,8 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     query heads of each retrieval KV head; with each row's keys per score band, for `select_banded`.
 
     Two launches, each over (request, head, tile of clusters): the logits with each tile's softmax partials, then
-    the scores and the tile's keys per band from every tile's partials. Tiles spread a context's centroids over the
-    whole GPU: a batch of 4 requests has only 4 R (request, head) rows, far fewer than the SMs.
+    the scores and the tile's keys per octave of bands from every tile's partials. Tiles spread a context's
+    centroids over the whole GPU: a batch of 4 requests has only 4 R (request, head) rows, far fewer than the SMs.
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`.
@@ -247,7 +250,8 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     # the kernels write every score, top band and band count
     scored = ClusterScores(torch.empty(num_reqs, R, C, dtype=torch.float32, device=device),
                            torch.empty(num_reqs, R, dtype=torch.int32, device=device),
-                           torch.empty(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device),
+                           torch.empty(num_reqs, R, tiles, SCORE_BANDS // BAND_OCTAVE, dtype=torch.int32,
+                                       device=device),
                            chunks * block_c)
     if query.shape[0] == 0 or num_reqs == 0 or R == 0 or C == 0:
         for tensor in scored[:3]:
@@ -271,12 +275,14 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
         SCALED=centroid_scales is not None, num_warps=4)
+    count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
     _centroid_scores_kernel[(num_reqs, R, tiles)](
         logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.band_keys, C, tiles,
         *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
         *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
-        G=G, BLOCK_G=block_g, BLOCK_C=BAND_COUNT_CLUSTERS, TILE_CHUNKS=chunks * block_c // BAND_COUNT_CLUSTERS,
-        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, CONTEXTS=context_ids is not None, num_warps=4)
+        G=G, BLOCK_G=block_g, BLOCK_C=count_c, TILE_CHUNKS=chunks * block_c // count_c,
+        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None,
+        num_warps=4)
     return scored
 
 
@@ -384,10 +390,12 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, con
                       stride_oh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64, stride_cr: tl.int64,
                       stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64, stride_es: tl.int64,
                       TILE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BANDS: tl.constexpr,
-                      CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, tiles): `centroid_scores`' tiles of TILE clusters. Each program sums every tile's band keys
-    into the row's cut band (the best band whose keys and those of every better band reach the budget; the last if
-    none does), then writes, for each cluster of its tile, where its keys end in the row's two runs, inclusive
+                      OCTAVE: tl.constexpr, SCAN: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, tiles): `centroid_scores`' tiles of TILE clusters. Each program finds the row's cut band
+    (the best band whose keys and those of every better band reach the budget; the last if none does) in two steps:
+    the cut octave from every tile's keys per octave, then the cut band within it from that octave's keys per band,
+    counted over the whole row's scores (SCAN clusters at a time; the scores kernel's counts stay 32 wide). It then
+    writes, for each cluster of its tile, where its keys end in the row's two runs, inclusive
     running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above the cut, `ends[.., 1, c]`
     of the sizes in the cut band. The cut band's clusters are taken while the keys before them are fewer than the
     row's need, so its run ends at the first that meets it: the program holding that one writes the count; where
@@ -400,26 +408,43 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, con
         tl.store(above_ptr + row, 0, mask=first)
         tl.store(counts_ptr + row, 0, mask=first)
         return
-    bands = tl.arange(0, BANDS)
+    octaves = tl.arange(0, BANDS // OCTAVE)
     offs_t = tl.arange(0, BLOCK_T)
-    band_keys = tl.load(band_keys_ptr + req * stride_kr + head * stride_kh + offs_t[:, None] * stride_kt
-                        + bands[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
-    row_keys = tl.sum(band_keys, 0)
+    octave_keys = tl.load(band_keys_ptr + req * stride_kr + head * stride_kh + offs_t[:, None] * stride_kt
+                          + octaves[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
+    row_octaves = tl.sum(octave_keys, 0)
     budget = tl.load(budget_ptr + req * stride_br + head * stride_bh).to(tl.int32)
-    cut = tl.min(tl.where(tl.cumsum(row_keys, 0) >= budget, bands, BANDS - 1), 0)
-    above_all = tl.sum(tl.where(bands < cut, row_keys, 0), 0)
-    in_cut_all = tl.sum(tl.where(bands == cut, row_keys, 0), 0)
+    cut_octave = tl.min(tl.where(tl.cumsum(row_octaves, 0) >= budget, octaves, BANDS // OCTAVE - 1), 0)
+    above_octaves = tl.sum(tl.where(octaves < cut_octave, row_octaves, 0), 0)
+    # keys in the tiles before this one, in the octaves above the cut
+    octaves_before = tl.sum(tl.sum(tl.where((offs_t < tile)[:, None] & (octaves < cut_octave)[None, :], octave_keys,
+                                            0), 1), 0)
+    top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
+    scores_row = scores_ptr + req * stride_sr + head * stride_sh
+    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
+    fine = tl.arange(0, OCTAVE)
+    fine_keys = tl.zeros([OCTAVE], tl.int32)  # the cut octave's keys per band: the row's, the tiles' before this one
+    fine_before = tl.zeros([OCTAVE], tl.int32)
+    for start in range(0, num_clusters, SCAN):
+        offs_c = start + tl.arange(0, SCAN)
+        ok = offs_c < num_clusters
+        band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
+        size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
+        hit = (ok & (band // OCTAVE == cut_octave))[:, None] & ((band % OCTAVE)[:, None] == fine[None, :])
+        keys = tl.where(hit, size[:, None], 0)
+        fine_keys += tl.sum(keys, 0)
+        fine_before += tl.sum(tl.where((offs_c < tile * TILE)[:, None], keys, 0), 0)
+    cut_fine = tl.min(tl.where(above_octaves + tl.cumsum(fine_keys, 0) >= budget, fine, OCTAVE - 1), 0)
+    cut = cut_octave * OCTAVE + cut_fine
+    above_all = above_octaves + tl.sum(tl.where(fine < cut_fine, fine_keys, 0), 0)
+    in_cut_all = tl.sum(tl.where(fine == cut_fine, fine_keys, 0), 0)
     need = budget - above_all
     met = (need > 0) & (in_cut_all >= need)  # by one cluster of the cut band
     tl.store(above_ptr + row, above_all, mask=first)
     tl.store(counts_ptr + row, tl.minimum(above_all + tl.where(in_cut_all < need, in_cut_all, 0), max_selected),
              mask=first & ~met)
-    keys_before = tl.sum(tl.where((offs_t < tile)[:, None], band_keys, 0), 0)  # per band, in the tiles before
-    base_above = tl.sum(tl.where(bands < cut, keys_before, 0), 0)
-    base_cut = tl.sum(tl.where(bands == cut, keys_before, 0), 0)
-    top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
-    scores_row = scores_ptr + req * stride_sr + head * stride_sh
-    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
+    base_above = octaves_before + tl.sum(tl.where(fine < cut_fine, fine_before, 0), 0)
+    base_cut = tl.sum(tl.where(fine == cut_fine, fine_before, 0), 0)
     ends_row = ends_ptr + req * stride_er + head * stride_eh
     tile_end = tl.minimum((tile + 1) * TILE, num_clusters)
     for start in range(0, TILE, BLOCK_E):
@@ -492,8 +517,8 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         budget 8: band 0 holds 5 keys, bands 0 and 1 11: cut 1, need 3: cluster 1, then cluster 2 (0 before it
         < 3), cluster 3 (2 < 3); positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
 
-    Two launches, neither zeroing nor atomics: per tile of clusters, the cut from every tile's keys per band (counted
-    by `centroid_scores`) and the running ends of the two runs; then the positions, each output slot finding its
+    Two launches, neither zeroing nor atomics: per tile of clusters, the cut (its octave from every tile's keys per
+    octave, counted by `centroid_scores`, then its band from a scan of the row) and the running ends of the two runs; then the positions, each output slot finding its
     cluster by a binary search of those ends.
 
     Args and result as `select_positions`', but `scored` is `centroid_scores`' result (its `sizes` the offsets'
@@ -516,7 +541,8 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
         *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
         TILE=scored.tile_clusters, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(scored.tile_clusters)),
-        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, CONTEXTS=context_ids is not None)
+        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE,
+        SCAN=min(CUT_SCAN_CLUSTERS, triton.next_power_of_2(C)), CONTEXTS=context_ids is not None)
     out_w = GATHER_SLOTS if device.type == "cuda" else 16
     _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
         offsets, cluster_positions, contexts, above, ends, counts, selected, C, max_selected,
