@@ -946,16 +946,17 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         T = context - SINK
         C = triton.cdiv(T, KEYS_PER_CLUSTER)
 
-        def clusters(R, labels, centroids, fp8=True):
-            """A store of (centroids, sizes, offsets, positions, centroid scales) for `labels` [R, T], the same for
-            every request; `fp8`: the centroids in fp8 with a scale per (request, head), as served beside an fp8
-            cache (squeeze.py), else bf16 without scales."""
+        def clusters(R, labels, centroids, fp8=True, spread=True):
+            """A store of (centroids, sizes, offsets, positions, centroid scales, radii) for `labels` [R, T], the
+            same for every request; `fp8`: the centroids in fp8 with a scale per (request, head), as served beside
+            an fp8 cache (squeeze.py), else bf16 without scales; radii uniform in [0, 1), or 0 without `spread`."""
             offsets, positions = to_csr(labels, C, positions_offset=SINK)
             scales = None
             if fp8:
                 centroids, scales = to_fp8_centroids(centroids)
             return (centroids, (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
-                    offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous(), scales)
+                    offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous(), scales,
+                    torch.rand(batch, R, C, device=DEV) * spread)
 
         # random clusters: random centroids, a random label per key (and the same in bf16). Then two stores as dummy
         # weights may make them: equal centroids (every cluster in one score band, so every cluster kept) and skewed
@@ -965,7 +966,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         stores = {R: clusters(R, *drawn) for R, drawn in random_clusters.items()}
         bf16_stores = {R: clusters(R, *drawn, fp8=False) for R, drawn in random_clusters.items()}
         flat = {R: clusters(R, torch.randint(0, C, (R, T), device=DEV),
-                            torch.zeros(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
+                            torch.zeros(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV), spread=False)
+                for R in layouts}
         skewed = {R: clusters(R, (torch.rand(R, T, device=DEV) ** 4 * C).long(),
                               torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
         res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
@@ -1003,12 +1005,13 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                         continue
                     if write and not served:
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
-                    centroids, sizes, offsets, positions, scales = store[R]
+                    centroids, sizes, offsets, positions, scales, radii = store[R]
 
                     def retrieval(attend_rows=None):
                         if lookup:
                             scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE,
-                                                     centroid_scales=scales)
+                                                     centroid_scales=scales, radii=radii,
+                                                     radius_weight=SqueezeSettings().radius_weight)
                             if not select:
                                 return
                             selected = choose(scores, offsets, positions, budget, banded)
@@ -1039,9 +1042,10 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         def selections_at(k):
             """Each layer width's selection at 1/k, made beforehand (for the sparse decode alone)."""
             chosen = {}
-            for R, (centroids, sizes, offsets, positions, scales) in stores.items():
+            for R, (centroids, sizes, offsets, positions, scales, radii) in stores.items():
                 scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
-                                         centroid_scales=scales)
+                                         centroid_scales=scales, radii=radii,
+                                         radius_weight=SqueezeSettings().radius_weight)
                 chosen[R] = choose(scores, offsets, positions, k)
             return chosen
 

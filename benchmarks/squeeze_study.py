@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_duo.kernels.clustering import cluster_keys
+from vllm_duo.kernels.clustering import cluster_keys, cluster_radii
 from vllm_duo.pattern import resolve_pattern
 from vllm_duo.tools import smollm2
 from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, needle_prompt
@@ -69,7 +69,10 @@ NEEDLE_CONTEXTS = (2000, 3000, 4000, 5000, 6000)
 PASSKEY_REPEATS = (80, 130, 180, 230, 280)  # 2.0k-6.8k tokens on SmolLM2
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 BUDGETS = (16, 8, 4)  # budget = selectable keys / this
-CLUSTERS = (16, 64)  # K-means clusters = selectable keys / this
+CLUSTERS = (8, 16, 64)  # K-means clusters = selectable keys / this
+# squeeze-c16-radW: squeeze-c16's clusters scored optimistically, q.C + W |q| r for the cluster's radius r (the largest
+# distance of its raw keys from C; W = 1 bounds every key's logit): a cluster with one far key can still be chosen
+RADIUS_WEIGHTS = (0.25, 0.5, 1.0)
 CHUNKS = (512, 1024, 2048, 4096)  # squeeze-c16-chunkS: K-means per S-token chunk, chunk keys / 16 clusters
 CHUNK_CLUSTERS = 16
 PAGES = (16, 64)
@@ -92,12 +95,17 @@ class Units:
     high: torch.Tensor | None = None  # Quest's per-channel max and min [h, U, d]
     low: torch.Tensor | None = None
     always: torch.Tensor | None = None  # [U] bool: units read whatever their score (the partial chunk)
+    radius: torch.Tensor | None = None  # [h, U]: with `radius_weight`, added to the score as weight |q| radius
+    radius_weight: float = 0.0
 
     def scores(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Per query head, the unit's estimated log attention logit: q.mean, or Quest's upper bound. q [h, g, A, d]
         -> [h, g, A, U]."""
         if self.mean is not None:
-            return torch.einsum("hgad,hud->hgau", q, self.mean) * scale
+            logits = torch.einsum("hgad,hud->hgau", q, self.mean)
+            if self.radius is not None:
+                logits = logits + self.radius_weight * q.norm(dim=-1)[..., None] * self.radius[:, None, None]
+            return logits * scale
         qe = q[:, :, :, None, :]  # [h, g, A, 1, d]
         return torch.maximum(qe * self.high[:, None, None], qe * self.low[:, None, None]).sum(-1) * scale
 
@@ -297,6 +305,7 @@ def make_prompts(tokenizer, count: int, seed: int, sink: int, recent: int,
 
 def unit_families() -> list[str]:
     return ([f"squeeze-c{c}" for c in CLUSTERS] + ["squeeze-c16-fp8"] + [f"squeeze-c16-bands{b}" for b in BAND_RULES]
+            + [f"squeeze-c16-rad{w:g}" for w in RADIUS_WEIGHTS]
             + [f"squeeze-c{CHUNK_CLUSTERS}-chunk{s}" for s in CHUNKS]
             + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
 
@@ -363,7 +372,7 @@ def build_units(study: Study, families: set[str], iters: int, generator: torch.G
     stacked = torch.cat([per_layer[layer] for layer in layers])  # [all retrieval heads, n, d]
     n, timing = stacked.shape[1], {}
     for c in CLUSTERS:
-        derived = any(f.startswith(("squeeze-c16-fp8", "squeeze-c16-bands")) for f in families)
+        derived = any(f.startswith(("squeeze-c16-fp8", "squeeze-c16-bands", "squeeze-c16-rad")) for f in families)
         if f"squeeze-c{c}" not in families and not (c == 16 and derived):
             continue
         k = max(1, n // c)
@@ -377,6 +386,10 @@ def build_units(study: Study, families: set[str], iters: int, generator: torch.G
             split_units(study, "squeeze-c16-fp8", dataclasses.replace(units, mean=rounded), layers, per_layer)
             for bands in BAND_RULES:
                 split_units(study, f"squeeze-c16-bands{bands}", units, layers, per_layer)
+            radius = cluster_radii(stacked, clusters)
+            for weight in RADIUS_WEIGHTS:
+                split_units(study, f"squeeze-c16-rad{weight:g}",
+                            dataclasses.replace(units, radius=radius, radius_weight=weight), layers, per_layer)
         timing[f"squeeze-c{c}"] = {"clusters": k, "iterations": clusters.iterations, "seconds": round(seconds, 3),
                                    "seconds_per_head": round(seconds / stacked.shape[0], 4)}
     for size in CHUNKS:
@@ -394,7 +407,9 @@ def split_units(study: Study, family: str, units: Units, layers: list[int], per_
     for layer in layers:
         heads = slice(offset, offset + per_layer[layer].shape[0])
         study.units[(family, layer)] = Units(labels=units.labels[heads], sizes=units.sizes[heads],
-                                             mean=units.mean[heads], always=units.always)
+                                             mean=units.mean[heads], always=units.always,
+                                             radius=None if units.radius is None else units.radius[heads],
+                                             radius_weight=units.radius_weight)
         offset = heads.stop
 
 

@@ -161,6 +161,18 @@ def cluster_keys(keys: torch.Tensor, num_clusters: int, iters: int = 20, seed: i
     return KeyClusters(centroids, sizes, labels.view(H, T), done)
 
 
+def cluster_radii(keys: torch.Tensor, clusters: KeyClusters, chunk: int = 16384) -> torch.Tensor:
+    """Each cluster's radius `[H, C]` float32: the largest distance of its raw keys `[H, T, D]` from its centroid
+    (0 for an empty one), `chunk` keys at a time. Every key k of a cluster C of radius r has q.k <= q.C + |q| r."""
+    H, T, D = keys.shape
+    radii = torch.zeros(clusters.sizes.shape, dtype=torch.float32, device=keys.device)
+    for start in range(0, T, chunk):
+        labels = clusters.labels[:, start:start + chunk]
+        centre = clusters.centroids.gather(1, labels[..., None].expand(-1, -1, D))
+        radii.scatter_reduce_(1, labels, (keys[:, start:start + chunk].float() - centre).norm(dim=-1), "amax")
+    return radii
+
+
 def cluster_keys_hierarchical(keys: torch.Tensor, num_coarse: int, fine_per_coarse: int, iters: int = 20,
                               seed: int = 0, init: str = "k-means++",
                               max_block_bytes: int = MAX_BLOCK_BYTES) -> tuple[KeyClusters, KeyClusters]:

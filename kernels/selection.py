@@ -6,8 +6,9 @@ Scores come from each request's last query token, reduced over the GQA group by 
 its query heads, so a cluster or page counts if any of them wants it). Two selections of clusters: `select_positions`
 (torch, by sorting: the best clusters to the budget, the rule the CPU studies used) and `select_banded` (Triton, by
 score bands below each row's best to the budget, no sort: the one decode serves, over the keys per octave of bands
-that `centroid_scores` counts). Both, and `select_pages`, have fixed shapes and no host syncs (CUDA-graph capturable) and
-emit the `[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that `sparse_decode_attention` takes.
+that `centroid_scores` counts). Both, and `select_pages`, have fixed shapes and no host syncs (CUDA-graph
+capturable) and emit the `[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that
+`sparse_decode_attention` takes.
 """
 
 from __future__ import annotations
@@ -59,18 +60,20 @@ def _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, s
 
 
 @triton.jit(do_not_specialize=["num_clusters"])
-def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes_ptr, context_ids_ptr, logits_ptr,
-                            part_m_ptr, part_l_ptr, retrieval_kv_ptr, query_start_loc_ptr, qk_scale, num_clusters,
+def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes_ptr, radii_ptr, context_ids_ptr,
+                            logits_ptr, part_m_ptr, part_l_ptr, retrieval_kv_ptr, query_start_loc_ptr, qk_scale,
+                            radius_scale, num_clusters,
                             stride_qt: tl.int64, stride_qh: tl.int64, stride_cx: tl.int64, stride_ch: tl.int64,
                             stride_cn: tl.int64, stride_gx: tl.int64, stride_gh: tl.int64, stride_nx: tl.int64,
                             stride_nh: tl.int64, stride_lr: tl.int64, stride_lh: tl.int64, stride_lg: tl.int64,
                             stride_pr: tl.int64, stride_ph: tl.int64, stride_pt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr,
-                            SCALED: tl.constexpr):
+                            SCALED: tl.constexpr, RADII: tl.constexpr):
     """Grid (num_reqs, R, tiles): the base-2 logits of one tile of TILE_CHUNKS x BLOCK_C clusters per query head of
     the group (-inf for empty clusters), and the tile's softmax partials: the running max and the sum of
-    N_j exp2(s_j - max) per query head. SCALED: the centroids are stored divided by their (context, head)'s scale."""
+    N_j exp2(s_j - max) per query head. SCALED: the centroids are stored divided by their (context, head)'s scale.
+    RADII: each logit gains radius_scale x |q| x the cluster's radius (radii laid out as sizes)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -83,6 +86,7 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
                       HEAD_DIM, BLOCK_D)
     centroid_row = centroids_ptr + context * stride_cx + head * stride_ch
     size_row = sizes_ptr + context * stride_nx + head * stride_nh
+    q_reach = tl.sqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), 1)) * radius_scale  # [BLOCK_G]
     offs_g = tl.arange(0, BLOCK_G)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -91,6 +95,10 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
         s, size = _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
                                    BLOCK_C, HEAD_DIM, BLOCK_D)
         offs_c = start + tl.arange(0, BLOCK_C)
+        if RADII:
+            radius = tl.load(radii_ptr + context * stride_nx + head * stride_nh + offs_c, mask=offs_c < num_clusters,
+                             other=0.0)
+            s += q_reach[:, None] * radius[None, :]
         tl.store(logits_ptr + req * stride_lr + head * stride_lh + offs_g[:, None] * stride_lg + offs_c[None, :], s,
                  mask=(offs_g < G)[:, None] & (offs_c < num_clusters)[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -217,10 +225,14 @@ class ClusterScores(NamedTuple):
 
 def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
                     query_start_loc: torch.Tensor, scale: float, context_ids: torch.Tensor | None = None,
-                    centroid_scales: torch.Tensor | None = None) -> ClusterScores:
+                    centroid_scales: torch.Tensor | None = None, radii: torch.Tensor | None = None,
+                    radius_weight: float = 0.0) -> ClusterScores:
     """Squeezed Attention's estimate (its Eq. 1) of the attention weight of one key of each cluster,
-    S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale), for each request's last query token, max over the
-    query heads of each retrieval KV head; with each row's keys per score band, for `select_banded`.
+    S_i = exp(l_i) / sum_j N_j exp(l_j) with l_i = q.C_i * scale, for each request's last query token, max over the
+    query heads of each retrieval KV head; with each row's keys per score band, for `select_banded`. With `radii`,
+    l_i = (q.C_i + radius_weight |q| r_i) * scale: a cluster whose keys spread far from its centroid may hold a key
+    the query wants however far the centroid lies (w = 1 bounds every key's logit; on SmolLM2's needles w = 0.5
+    brings decode's next-token distribution 4-40x closer to duo's at equal keys read: `SqueezeSettings`).
 
     Two launches, each over (request, head, tile of clusters): the logits with each tile's softmax partials, then
     the scores and the tile's keys per octave of bands from every tile's partials. Tiles spread a context's
@@ -238,6 +250,9 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
             one copy; negative: none, its scores stay 0); None: request i's context is row i.
         centroid_scales: `[num_contexts, R]` float32: each (context, head)'s centroids are stored divided by it
             (fp8 centroids, which read half the bytes of bf16); None: stored as they are.
+        radii: `[num_contexts, R, C]` float32 with the strides of `sizes`: each cluster's largest key distance
+            from its centroid (clustering.cluster_radii); None: Eq. 1 as the paper states it.
+        radius_weight: w above.
 
     Returns:
         `ClusterScores`: `.scores` `[num_reqs, R, C]` float32 (a request without query tokens gets some other
@@ -265,16 +280,19 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     scores = scored.scores
     logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=device)
     part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=device) for _ in range(2))
-    # without context ids or scales the kernels read none: `scores` stands in for the pointer
+    if radii is not None and radii.stride() != sizes.stride():
+        raise ValueError(f"radii {tuple(radii.shape)} must have the strides of sizes {tuple(sizes.shape)}")
+    # without context ids, scales or radii the kernels read none: `scores` stands in for the pointer
     scales = scores if centroid_scales is None else centroid_scales
     contexts = scores if context_ids is None else context_ids
     _centroid_logits_kernel[(num_reqs, R, tiles)](
-        query, centroids, scales, sizes, contexts, logits, part_m, part_l, heads.retrieval_kv, query_start_loc,
-        scale * LOG2E, C, *query.stride()[:2], *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2],
-        *logits.stride()[:3], *part_m.stride()[:3],
+        query, centroids, scales, sizes, scores if radii is None else radii, contexts, logits, part_m, part_l,
+        heads.retrieval_kv, query_start_loc, scale * LOG2E, radius_weight * scale * LOG2E, C, *query.stride()[:2],
+        *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3],
+        *part_m.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
-        SCALED=centroid_scales is not None, num_warps=4)
+        SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, num_warps=4)
     count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
     _centroid_scores_kernel[(num_reqs, R, tiles)](
         logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.band_keys, C, tiles,
@@ -518,7 +536,8 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         < 3), cluster 3 (2 < 3); positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
 
     Two launches, neither zeroing nor atomics: per tile of clusters, the cut (its octave from every tile's keys per
-    octave, counted by `centroid_scores`, then its band from a scan of the row) and the running ends of the two runs; then the positions, each output slot finding its
+    octave, counted by `centroid_scores`, then its band from a scan of the row) and the running ends of the two runs;
+    then the positions, each output slot finding its
     cluster by a binary search of those ends.
 
     Args and result as `select_positions`', but `scored` is `centroid_scores`' result (its `sizes` the offsets'

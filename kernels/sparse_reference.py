@@ -57,10 +57,12 @@ def last_queries(query: torch.Tensor, heads: LayerHeads, query_start_loc: list[i
 
 def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
                     query_start_loc: list[int], scale: float, context_ids: list[int] | None = None,
-                    centroid_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """`selection.centroid_scores`: S_i = exp(q.C_i * scale) / sum_j N_j exp(q.C_j * scale) per query head
-    (0 for empty clusters), max over each KV head's group -> `[num_reqs, R, C]` float32 (0 without a context);
-    with `centroid_scales` `[contexts, R]` the centroids are stored divided by them."""
+                    centroid_scales: torch.Tensor | None = None, radii: torch.Tensor | None = None,
+                    radius_weight: float = 0.0) -> torch.Tensor:
+    """`selection.centroid_scores`: S_i = exp(l_i) / sum_j N_j exp(l_j), l_i = (q.C_i + w |q| r_i) * scale, per query
+    head (0 for empty clusters; r_i the cluster's radius in `radii` `[contexts, R, C]`, w `radius_weight`, 0 without
+    radii), max over each KV head's group -> `[num_reqs, R, C]` float32 (0 without a context); with
+    `centroid_scales` `[contexts, R]` the centroids are stored divided by them."""
     num_reqs = len(query_start_loc) - 1
     scores = torch.zeros(num_reqs, heads.num_retrieval, centroids.shape[2], device=query.device)
     for i in range(num_reqs):
@@ -70,7 +72,11 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         stored = centroids[context].float()
         if centroid_scales is not None:
             stored = stored * centroid_scales[context].float()[:, None, None]
-        logits = torch.einsum("rgd,rcd->rgc", last_queries(query, heads, query_start_loc, i), stored) * scale
+        q = last_queries(query, heads, query_start_loc, i)
+        logits = torch.einsum("rgd,rcd->rgc", q, stored)
+        if radii is not None:
+            logits = logits + radius_weight * q.norm(dim=-1)[..., None] * radii[context].float()[:, None, :]
+        logits = logits * scale
         size = sizes[context].float()[:, None, :]  # [R, 1, C]
         log_denom = torch.logsumexp(logits + size.log(), dim=-1, keepdim=True)
         estimate = torch.where(size > 0, (logits - log_denom).exp(), 0.0)

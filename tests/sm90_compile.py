@@ -46,7 +46,8 @@ def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
     types.update(dict.fromkeys(("cache_ptr", "stream_ptr"), TRITON_TYPES[cache]))
     types["centroids_ptr"] = TRITON_TYPES[cache if cache in FP8_FORMATS else model]  # fp8 beside an fp8 cache
     types.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "scores_ptr", "summaries_ptr", "logits_ptr",
-                                "part_m_ptr", "part_l_ptr", "centroid_scales_ptr", "window_lse_ptr", "rows_lse_ptr"),
+                                "part_m_ptr", "part_l_ptr", "centroid_scales_ptr", "radii_ptr", "window_lse_ptr",
+                                "rows_lse_ptr"),
                                "fp32"))
     types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
     types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr"), "i64"))
@@ -69,7 +70,7 @@ def compile_for_h100(kernel, model: torch.dtype, cache: torch.dtype, constants: 
             if name != "stride_table":
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "radius_scale") else "i32"
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs), target=H100,
                               options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -138,7 +139,7 @@ def cases():
         common = dict(G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"])
         if variants & {"scores", "logits"}:  # fp8 centroids with their scales beside an fp8 cache
             yield (f"centroid logits {tag}", _centroid_logits_kernel, model, cache,
-                   dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True, SCALED=bool(fp8)), {})
+                   dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True, SCALED=bool(fp8), RADII=True), {})
         if "scores" in variants:
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
                    dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=BAND_COUNT_CLUSTERS, TILE_CHUNKS=16, BLOCK_T=64,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_duo.kernels import sparse_reference as ref
-from vllm_duo.kernels.clustering import cluster_keys, cluster_keys_hierarchical, to_csr
+from vllm_duo.kernels.clustering import cluster_keys, cluster_keys_hierarchical, cluster_radii, to_csr
 from vllm_duo.kernels.selection import select_positions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +99,19 @@ def test_empty_clusters():
     assert torch.all(result.centroids[result.sizes == 0] == 0)
     one_key = cluster_keys(keys[:, :1], 4)
     assert one_key.sizes.sum(-1).tolist() == [1, 1] and one_key.labels.tolist() == [[0], [0]]
+
+
+@pytest.mark.parametrize("chunk", [16384, 7])
+def test_radii_are_the_farthest_key(chunk):
+    """A cluster's radius is its farthest raw key's distance from its centroid (0 when empty), in chunks too."""
+    keys = random_keys(heads=2, tokens=30) * torch.rand(2, 30, 1) * 4  # raw keys of several norms
+    result = cluster_keys(keys, 9, init="random")
+    radii = cluster_radii(keys, result, chunk=chunk)
+    for h in range(2):
+        for c in range(9):
+            members = keys[h, result.labels[h] == c]
+            far = (members - result.centroids[h, c]).norm(dim=-1).max() if len(members) else torch.tensor(0.0)
+            torch.testing.assert_close(radii[h, c], far)
 
 
 def test_csr_round_trips_labels():

@@ -9,6 +9,7 @@ from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Pr
                           cuda_scales, decode_rows, lifted, lifted_table, make_case, written_caches)
 
 from vllm_duo.kernels import sparse_reference as ref
+from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
 from vllm_duo.kernels.selection import (centroid_scores, page_scores, select_banded, select_pages,
@@ -218,14 +219,17 @@ def scoring_batch(num_kv_heads: int, group: int, retrieval: list[int], query_len
     return torch.randn(int(starts[-1]), num_kv_heads * group, head_dim, dtype=dtype), heads, starts
 
 
-@pytest.mark.parametrize("group, query_lens, clusters, shared, dtype, fp8", [
-    (1, [1], 5, False, torch.float32, False),
-    (3, [1, 4, 0, 1], 37, True, torch.float32, False),  # a request without tokens; requests over two contexts and none
-    (4, [1, 1], 16, False, torch.float16, False),
-    (3, [1, 4, 0, 1], 37, True, torch.float16, True),  # fp8 centroids, each (context, head) with its scale
+@pytest.mark.parametrize("group, query_lens, clusters, shared, dtype, fp8, radius_weight", [
+    (1, [1], 5, False, torch.float32, False, 0.0),
+    (3, [1, 4, 0, 1], 37, True, torch.float32, False, 0.0),  # a request without tokens; requests over two contexts
+    # and none
+    (4, [1, 1], 16, False, torch.float16, False, 0.5),  # logits raised by the clusters' radii
+    (3, [1, 4, 0, 1], 37, True, torch.float16, True, 0.0),  # fp8 centroids, each (context, head) with its scale
+    (3, [1, 4, 0, 1], 37, True, torch.float16, True, 1.0),  # fp8 centroids and radii (not scaled)
 ])
-def test_centroid_scores(group, query_lens, clusters, shared, dtype, fp8):
-    """Eq. 1 per query head, max over the group; empty (padding) clusters score 0, a context of none scores 0."""
+def test_centroid_scores(group, query_lens, clusters, shared, dtype, fp8, radius_weight):
+    """Eq. 1 per query head, max over the group, each logit raised by radius_weight |q| r; empty (padding) clusters
+    score 0, a context of none scores 0."""
     query, heads, starts = scoring_batch(4, group, [0, 3], query_lens, dtype)
     num_contexts = 2 if shared else len(query_lens)
     centroids = torch.randn(num_contexts, 2, clusters, query.shape[-1], dtype=dtype)
@@ -237,10 +241,15 @@ def test_centroid_scores(group, query_lens, clusters, shared, dtype, fp8):
     sizes = torch.randint(0, 6, (num_contexts, 2, clusters), dtype=torch.int32)
     sizes[-1, -1] = 0
     contexts = torch.tensor([1, 0, 1, -1], dtype=torch.int32) if shared else None
-    scored = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts, scales)
+    radii = torch.rand(num_contexts, 2, clusters) * 2 if radius_weight else None
+    scored = centroid_scores(query, centroids, sizes, heads, starts, 0.3, contexts, scales, radii, radius_weight)
     scores = scored.scores
     expected = ref.centroid_scores(query, centroids, sizes, heads, starts.tolist(), 0.3,
-                                   None if contexts is None else contexts.tolist(), scales)
+                                   None if contexts is None else contexts.tolist(), scales, radii, radius_weight)
+    if radius_weight:  # the radii count
+        assert not torch.allclose(expected, ref.centroid_scores(query, centroids, sizes, heads, starts.tolist(), 0.3,
+                                                                None if contexts is None else contexts.tolist(),
+                                                                scales), rtol=0.01, atol=1e-4)
     tol = TOL[dtype]
     torch.testing.assert_close(scores, expected, rtol=tol.rtol, atol=tol.atol / 10)
     row_sizes = sizes if contexts is None else sizes[contexts.long()]
@@ -250,6 +259,34 @@ def test_centroid_scores(group, query_lens, clusters, shared, dtype, fp8):
         assert (scores[3] == 0).all() and (scored.band_keys[3] == 0).all()  # no context
         row_sizes[3] = 0
     assert torch.equal(scored.band_keys.sum((2, 3)), row_sizes.sum(-1))  # every key in one octave
+
+
+def test_radius_picks_a_cluster_with_a_far_key():
+    """A cluster whose centroid the query barely likes but one of whose keys it wants above all: Eq. 1 passes it over
+    for a tight cluster the query likes more, the radius term takes it (reference and kernel alike)."""
+    heads = LayerHeads.build([0], 1, 1, 1, 4, 16)
+    q = torch.zeros(1, 1, 16)
+    q[0, 0, 0] = 4.0
+    spread = torch.zeros(8, 16)  # cluster 0: keys along dims 1-7 around 0 and one along dim 0
+    spread[0, 0] = 3.0
+    spread[1:, 1:8] = torch.eye(7) * 3.0
+    tight = torch.zeros(8, 16)  # cluster 1: eight keys at 0.5 along dim 0
+    tight[:, 0] = 0.5
+    keys = torch.cat([spread, tight])[None]  # [1, 16, 16]
+    labels = torch.tensor([[0] * 8 + [1] * 8])
+    centroids = torch.stack([spread.mean(0), tight.mean(0)])[None]  # [1, 2, 16]
+    clusters = KeyClusters(centroids, torch.tensor([[8, 8]], dtype=torch.int32), labels, 1)
+    radii = cluster_radii(keys, clusters)
+    assert radii[0, 1] == 0 and radii[0, 0] > 2.5  # the tight cluster has none
+    assert q[0, 0] @ centroids[0, 0] < q[0, 0] @ centroids[0, 1]  # by its centroid the tight one wins
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    for weight, best in ((0.0, 1), (0.5, 0)):
+        expected = ref.centroid_scores(q, centroids[None], clusters.sizes[None], heads, [0, 1], 1.0, None, None,
+                                       radii[None], weight)
+        got = centroid_scores(q, centroids[None], clusters.sizes[None], heads, starts, 1.0, None, None, radii[None],
+                              weight).scores
+        torch.testing.assert_close(got, expected)
+        assert int(got[0, 0].argmax()) == best
 
 
 def test_centroid_scores_estimate_a_softmax():

@@ -13,6 +13,7 @@ from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse
 
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels import sparse_reference as ref
+from vllm_duo.kernels.reference import read_retrieval
 from vllm_duo.squeeze import FP8_CENTROIDS, ClusteredContexts, SqueezeRows, SqueezeSettings, centroid_dtype
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
@@ -38,7 +39,8 @@ def select_reference(contexts: ClusteredContexts, layer: int, case, slots: list[
                      max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`ClusteredContexts.select` by the kernels' PyTorch references, request by request."""
     scores = ref.centroid_scores(case.query, contexts.centroids[layer], contexts.sizes[layer], case.heads,
-                                 case.query_start_loc, case.scale, slots, contexts.scales_of(layer))
+                                 case.query_start_loc, case.scale, slots, contexts.scales_of(layer),
+                                 contexts.radii[layer], contexts.settings.radius_weight)
     budgets = torch.tensor(budget, dtype=torch.int32)[:, None].expand(-1, case.heads.num_retrieval)
     return ref.select_banded(scores, contexts.offsets[layer], contexts.positions[layer], budgets, max_selected, slots)
 
@@ -50,16 +52,23 @@ def settings_for(case, **kw) -> SqueezeSettings:
 
 
 def test_a_build_lists_each_clustered_position_once():
+    """... and keeps each cluster's radius: its farthest key from its centroid."""
     case = make_case(CASE)
     cache, _ = written_caches(case)
     contexts = built(case, cache, settings_for(case))
     for i, seq_len in enumerate(case.seq_lens):
         T = seq_len - 1 - CASE.sink
         assert contexts.clustered(i) == T and contexts.ends[i] == seq_len - 1
+        keys, _ = read_retrieval(cache, case.block_table[i].long(), seq_len - 1, case.heads.num_retrieval,
+                                 case.heads.stride)
         for r in range(case.heads.num_retrieval):
             offsets, sizes = contexts.offsets[0][i, r], contexts.sizes[0][i, r]
             assert offsets[0] == 0 and offsets[-1] == T and torch.equal(offsets[1:] - offsets[:-1], sizes)
             assert sorted(contexts.positions[0][i, r, :T].tolist()) == list(range(CASE.sink, seq_len - 1))
+            for c in range(len(sizes)):
+                members = keys[contexts.positions[0][i, r, offsets[c]:offsets[c + 1]].long(), r].float()
+                far = (members - contexts.centroids[0][i, r, c].float()).norm(dim=-1).max() if len(members) else 0.0
+                assert abs(float(contexts.radii[0][i, r, c]) - float(far)) < 0.05 * (1 + float(far))
 
 
 @pytest.mark.parametrize("budget, centroid_dtype", [(0.1, torch.bfloat16), (0.3, torch.bfloat16),
@@ -186,7 +195,8 @@ def test_settings_memory_and_window():
     settings = SqueezeSettings(max_contexts=2, max_context_len=1000, keys_per_cluster=16)
     for dtype in (torch.bfloat16, FP8_CENTROIDS):
         contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings, centroid_dtype=dtype)
-        kinds = (contexts.centroids, contexts.sizes, contexts.offsets, contexts.positions, contexts.centroid_scales)
+        kinds = (contexts.centroids, contexts.sizes, contexts.radii, contexts.offsets, contexts.positions,
+                 contexts.centroid_scales)
         allocated = sum(t.nbytes for kind in kinds if kind is not None for t in kind)
         assert ClusteredContexts.bytes_needed(TWO_LAYERS, 64, settings, dtype) == allocated
     case = make_case(CASE)

@@ -28,7 +28,10 @@ class DuoConfigError(Exception):
 
 class SqueezeSettings(BaseModel):
     """budget: share of a context's clustered keys each retrieval head reads at decode (0 < budget <= 1);
-    keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most, from `init` seeds; max_contexts: slots
+    keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most, from `init` seeds; radius_weight: w in
+    a cluster's logit q.C + w |q| r (r its largest key distance from C; 0 Squeezed Attention's Eq. 1, 1 a bound on
+    every key's logit; 0.5 on SmolLM2's needles brought decode's next-token distribution 4-40x closer to duo's than
+    0 at equal keys read, benchmarks/results/2026-11-27-cpu-squeeze-radius); max_contexts: slots
     kept at once; min_context_len / max_context_len: the prompts a slot takes (others are served by duo unsqueezed;
     the longest sizes every slot); tail: a prompt's last tokens, read whole rather than clustered, so that prompts
     which differ only there (one document, other questions) share one clustered context (default the pattern's
@@ -40,6 +43,7 @@ class SqueezeSettings(BaseModel):
     keys_per_cluster: int = Field(default=16, ge=1)
     iters: int = Field(default=10, ge=1)
     init: Literal["random", "k-means++"] = "random"  # k-means++ draws its C seeds one after another: 65 s at 128k
+    radius_weight: float = Field(default=0.5, ge=0.0)
     max_contexts: int = Field(default=4, ge=1)
     min_context_len: int = Field(default=4096, ge=1)
     max_context_len: int = Field(default=131072, ge=1)
@@ -58,7 +62,8 @@ class SqueezeSettings(BaseModel):
     def summary(self, sink: int, slot_bytes: int, centroids: str) -> str:
         return (f"duo squeeze: retrieval heads of prompts of {self.min_context_len} to {self.max_context_len + sink} "
                 f"tokens read {self.budget:g} of their clustered keys at decode ({self.keys_per_cluster} keys per "
-                f"cluster, {self.iters} Lloyd iterations from {self.init} seeds), plus sinks and window; "
+                f"cluster, {self.iters} Lloyd iterations from {self.init} seeds, scored with radius weight "
+                f"{self.radius_weight:g}), plus sinks and window; "
                 f"{self.max_contexts} contexts kept, each a prompt but its last {self.tail} tokens and read by every "
                 f"prompt that starts with it, {slot_bytes * self.max_contexts / 2 ** 30:.3g} GiB kept beside "
                 f"the KV cache ({centroids} centroids)")

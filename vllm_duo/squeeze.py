@@ -5,8 +5,9 @@ lookup over them. No vLLM here: the backend owns when a context is built and whi
 A long context is clustered once, at the end of its prefill, layer by layer: each retrieval KV head's keys between
 the sinks and the end of the prompt are grouped by spherical K-means (kernels/clustering.py, `keys_per_cluster` keys
 per centroid on average, Squeezed Attention's n/16), and the context keeps per head its centroids, cluster sizes and
-the CSR of positions per cluster. At decode each request scores its query against its context's centroids
-(kernels/selection.py, the paper's Eq. 1, max over the GQA group), takes clusters from the best score band down
+radii and the CSR of positions per cluster. At decode each request scores its query against its context's centroids
+(kernels/selection.py, the paper's Eq. 1 with each logit raised by `radius_weight` |q| x the cluster's radius, max
+over the GQA group), takes clusters from the best score band down
 until their keys fill `budget` of the clustered positions (`select_banded`: bands of 12.5% in score, no sort; in the
 band that meets the budget, its clusters in cluster order until it is met), and attends exactly over those keys plus
 the sinks and every position after the context (its window; FlashAttention's two passes in gpu_attention.py,
@@ -40,8 +41,9 @@ Memory (per slot, per layer with R retrieval heads, C = ceil(T / keys_per_cluste
 centroids R x C x head_dim in the model's dtype, or in fp8 (e4m3, with a float32 scale per head) beside an fp8 KV
 cache, whose keys they summarize at that precision anyway (the lookup reads every centroid at every step: at 16
 keys per centroid, bf16 centroids are as many bytes as the keys a 1/16 budget selects from an fp8 cache), sizes
-R x C and offsets R x (C + 1) int32, positions R x T int32; all of it preallocated so that decode's lookup keeps
-fixed shapes (CUDA-graph capturable) and a build allocates nothing but the clustering's scratch.
+R x C int32, radii R x C float32, offsets R x (C + 1) int32, positions R x T int32; all of it preallocated so that
+decode's lookup keeps fixed shapes (CUDA-graph capturable) and a build allocates nothing but the clustering's
+scratch.
 `ClusteredContexts.bytes_needed` is that sum.
 """
 
@@ -56,7 +58,7 @@ import torch
 
 from vllm_duo.config import SqueezeSettings
 from vllm_duo.kernels import sparse_reference
-from vllm_duo.kernels.clustering import cluster_keys, to_csr
+from vllm_duo.kernels.clustering import cluster_keys, cluster_radii, to_csr
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, read_retrieval
 from vllm_duo.kernels.selection import centroid_scores, select_banded
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
@@ -125,7 +127,8 @@ class ClusteredContexts:
     """Per layer, `max_contexts` slots of clustered retrieval keys:
 
     - centroids `[slots, R, C, head_dim]` (`centroid_dtype`; fp8 ones divided by `centroid_scales` `[slots, R]`
-      float32, each head's largest magnitude over fp8's largest), sizes `[slots, R, C]` int32 (0: no such cluster);
+      float32, each head's largest magnitude over fp8's largest), sizes `[slots, R, C]` int32 (0: no such cluster),
+      radii `[slots, R, C]` float32 (each cluster's largest key distance from its centroid);
     - offsets `[slots, R, C + 1]` int32 and positions `[slots, R, T]` int32: the CSR of positions per cluster;
     - `ends[slot]`: where its built context ends (0: none built); `clustered(slot)` positions past the sinks are in
       its CSR; `tokens[slot]`: that context's token ids (None: free), which a prompt must start with to read it.
@@ -146,6 +149,7 @@ class ClusteredContexts:
         self.centroid_scales = ([torch.ones(slots, R, dtype=torch.float32, device=device) for R in retrieval_per_layer]
                                 if centroid_dtype == FP8_CENTROIDS else None)
         self.sizes = [torch.zeros(slots, R, C, dtype=torch.int32, device=device) for R in retrieval_per_layer]
+        self.radii = [torch.zeros(slots, R, C, dtype=torch.float32, device=device) for R in retrieval_per_layer]
         self.offsets = [torch.zeros(slots, R, C + 1, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.positions = [torch.zeros(slots, R, T, dtype=torch.int32, device=device) for R in retrieval_per_layer]
         self.ends = [0] * slots
@@ -165,7 +169,7 @@ class ClusteredContexts:
                      centroid_dtype: torch.dtype = torch.bfloat16) -> int:
         T = settings.max_context_len
         C = settings.num_clusters(T)
-        per_head = C * head_dim * centroid_dtype.itemsize + C * 4 + (C + 1) * 4 + T * 4
+        per_head = C * head_dim * centroid_dtype.itemsize + 2 * C * 4 + (C + 1) * 4 + T * 4
         per_head += 4 if centroid_dtype == FP8_CENTROIDS else 0
         return settings.max_contexts * sum(retrieval_per_layer) * per_head
 
@@ -185,11 +189,13 @@ class ClusteredContexts:
             offsets, positions = to_csr(clusters.labels, C, positions_offset=self.sink)
             self.centroids[layer][slot].zero_()
             self.sizes[layer][slot].zero_()
+            self.radii[layer][slot].zero_()
             centroids = clusters.centroids
             if self.centroid_scales is not None:
                 centroids, self.centroid_scales[layer][slot] = to_fp8_centroids(centroids)
             self.centroids[layer][slot, :, :C] = centroids.to(self.centroids[layer].dtype)
             self.sizes[layer][slot, :, :C] = clusters.sizes
+            self.radii[layer][slot, :, :C] = cluster_radii(keys, clusters)
             self.offsets[layer][slot, :, :C + 1] = offsets
             self.offsets[layer][slot, :, C + 1:] = offsets[:, -1:]
             self.positions[layer][slot, :, :T] = positions
@@ -314,7 +320,8 @@ class ClusteredContexts:
         if not heads.num_retrieval:
             return
         scores = sparse_reference.centroid_scores(query, self.centroids[layer], self.sizes[layer], heads,
-                                                  query_start_loc, scale, step.context_ids, self.scales_of(layer))
+                                                  query_start_loc, scale, step.context_ids, self.scales_of(layer),
+                                                  self.radii[layer], self.settings.radius_weight)
         budget = torch.tensor(step.budget, dtype=torch.int32)[:, None].expand(-1, heads.num_retrieval)
         selected, counts = sparse_reference.select_banded(scores, self.offsets[layer], self.positions[layer], budget,
                                                           self.settings.max_selected(), step.context_ids)
@@ -354,6 +361,6 @@ class ClusteredContexts:
         `[num_reqs, R]` int32."""
         R = heads.num_retrieval
         scores = centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
-                                 context_ids, self.scales_of(layer))
+                                 context_ids, self.scales_of(layer), self.radii[layer], self.settings.radius_weight)
         return select_banded(scores, self.offsets[layer], self.positions[layer], budget[:, None].expand(-1, R),
                              max_selected, context_ids)
