@@ -113,7 +113,7 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
 SCORE_BANDS = 256  # bands of 12.5% below a row's top band, the last holding every score 2^-32 below or lower
 BAND_OCTAVE = 8  # bands per octave: the scores kernel counts keys per octave (32), the ends kernel splits the cut one
 BAND_COUNT_CLUSTERS = 64  # clusters the scores kernel counts into octaves at once: a [64, 32] one-hot
-CUT_SCAN_CLUSTERS = 256  # the ends kernel's chunk when it counts the cut octave's keys per band over a whole row
+OCTAVE_SCAN_CLUSTERS = 256  # the octave bands kernel's chunk when it counts a tile's keys per band of the cut octave
 
 
 @triton.jit
@@ -400,21 +400,69 @@ BAND_CLUSTERS = 1024  # the ends kernel's widest chunk of clusters (a tile's, if
 GATHER_SLOTS = 256  # output slots per gather program on a GPU (1024: lookup 0.34 ms slower at 4 x 128k)
 
 
+@triton.jit
+def _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr, stride_kh, stride_kt, stride_br,
+                stride_bh, BLOCK_T: tl.constexpr, OCTAVES: tl.constexpr):
+    """A row's cut octave (the best whose keys and those of every better octave reach the row's budget; the last if
+    none does) from every tile's keys per octave -> (cut octave, those keys `[BLOCK_T, OCTAVES]`, the budget)."""
+    octaves = tl.arange(0, OCTAVES)
+    offs_t = tl.arange(0, BLOCK_T)
+    octave_keys = tl.load(band_keys_ptr + req * stride_kr + head * stride_kh + offs_t[:, None] * stride_kt
+                          + octaves[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
+    budget = tl.load(budget_ptr + req * stride_br + head * stride_bh).to(tl.int32)
+    cut_octave = tl.min(tl.where(tl.cumsum(tl.sum(octave_keys, 0), 0) >= budget, octaves, OCTAVES - 1), 0)
+    return cut_octave, octave_keys, budget
+
+
+@triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
+def _octave_bands_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, context_ids_ptr, budget_ptr,
+                         fine_keys_ptr, num_clusters, num_tiles,
+                         stride_sr: tl.int64, stride_sh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
+                         stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_ox: tl.int64,
+                         stride_oh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64, stride_fr: tl.int64,
+                         stride_fh: tl.int64, stride_ft: tl.int64,
+                         TILE: tl.constexpr, SCAN: tl.constexpr, BLOCK_T: tl.constexpr, BANDS: tl.constexpr,
+                         OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, tiles): the row's cut octave, then this tile's keys in it per band (OCTAVE bands, SCAN
+    clusters at a time): what the ends kernel splits the cut octave by. Rows without a context write nothing (the
+    ends kernel reads none)."""
+    req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
+    if context < 0:
+        return
+    cut_octave, _, _ = _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr, stride_kh, stride_kt,
+                                   stride_br, stride_bh, BLOCK_T, BANDS // OCTAVE)
+    top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
+    scores_row = scores_ptr + req * stride_sr + head * stride_sh
+    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
+    fine = tl.arange(0, OCTAVE)
+    fine_keys = tl.zeros([OCTAVE], tl.int32)
+    tile_end = tl.minimum((tile + 1) * TILE, num_clusters)
+    for start in range(0, TILE, SCAN):
+        offs_c = tile * TILE + start + tl.arange(0, SCAN)
+        ok = offs_c < tile_end
+        band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
+        size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
+        hit = (ok & (band // OCTAVE == cut_octave))[:, None] & ((band % OCTAVE)[:, None] == fine[None, :])
+        fine_keys += tl.sum(tl.where(hit, size[:, None], 0), 0)
+    tl.store(fine_keys_ptr + req * stride_fr + head * stride_fh + tile * stride_ft + fine, fine_keys)
+
+
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
-def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, context_ids_ptr, budget_ptr, above_ptr,
-                      ends_ptr, counts_ptr, num_clusters, num_tiles, max_selected,
+def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, offsets_ptr, context_ids_ptr,
+                      budget_ptr, above_ptr, ends_ptr, counts_ptr, num_clusters, num_tiles, max_selected,
                       stride_sr: tl.int64, stride_sh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
-                      stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_ox: tl.int64,
+                      stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_fr: tl.int64,
+                      stride_fh: tl.int64, stride_ft: tl.int64, stride_ox: tl.int64,
                       stride_oh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64, stride_cr: tl.int64,
                       stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64, stride_es: tl.int64,
                       TILE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BANDS: tl.constexpr,
-                      OCTAVE: tl.constexpr, SCAN: tl.constexpr, CONTEXTS: tl.constexpr):
+                      OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): `centroid_scores`' tiles of TILE clusters. Each program finds the row's cut band
     (the best band whose keys and those of every better band reach the budget; the last if none does) in two steps:
-    the cut octave from every tile's keys per octave, then the cut band within it from that octave's keys per band,
-    counted over the whole row's scores (SCAN clusters at a time; the scores kernel's counts stay 32 wide). It then
-    writes, for each cluster of its tile, where its keys end in the row's two runs, inclusive
-    running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above the cut, `ends[.., 1, c]`
+    the cut octave from every tile's keys per octave, then the cut band within it from every tile's keys per band
+    of that octave (`_octave_bands_kernel`). It then writes, for each cluster of its tile, where its keys end in the
+    row's two runs, inclusive running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above the cut, `ends[.., 1, c]`
     of the sizes in the cut band. The cut band's clusters are taken while the keys before them are fewer than the
     row's need, so its run ends at the first that meets it: the program holding that one writes the count; where
     none does (all of them taken, or none needed) tile 0's program writes it, and always the keys above the cut."""
@@ -426,32 +474,19 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, con
         tl.store(above_ptr + row, 0, mask=first)
         tl.store(counts_ptr + row, 0, mask=first)
         return
+    cut_octave, octave_keys, budget = _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr,
+                                                  stride_kh, stride_kt, stride_br, stride_bh, BLOCK_T, BANDS // OCTAVE)
     octaves = tl.arange(0, BANDS // OCTAVE)
     offs_t = tl.arange(0, BLOCK_T)
-    octave_keys = tl.load(band_keys_ptr + req * stride_kr + head * stride_kh + offs_t[:, None] * stride_kt
-                          + octaves[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
-    row_octaves = tl.sum(octave_keys, 0)
-    budget = tl.load(budget_ptr + req * stride_br + head * stride_bh).to(tl.int32)
-    cut_octave = tl.min(tl.where(tl.cumsum(row_octaves, 0) >= budget, octaves, BANDS // OCTAVE - 1), 0)
-    above_octaves = tl.sum(tl.where(octaves < cut_octave, row_octaves, 0), 0)
+    above_octaves = tl.sum(tl.where(octaves < cut_octave, tl.sum(octave_keys, 0), 0), 0)
     # keys in the tiles before this one, in the octaves above the cut
     octaves_before = tl.sum(tl.sum(tl.where((offs_t < tile)[:, None] & (octaves < cut_octave)[None, :], octave_keys,
                                             0), 1), 0)
-    top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
-    scores_row = scores_ptr + req * stride_sr + head * stride_sh
-    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
-    fine = tl.arange(0, OCTAVE)
-    fine_keys = tl.zeros([OCTAVE], tl.int32)  # the cut octave's keys per band: the row's, the tiles' before this one
-    fine_before = tl.zeros([OCTAVE], tl.int32)
-    for start in range(0, num_clusters, SCAN):
-        offs_c = start + tl.arange(0, SCAN)
-        ok = offs_c < num_clusters
-        band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
-        size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
-        hit = (ok & (band // OCTAVE == cut_octave))[:, None] & ((band % OCTAVE)[:, None] == fine[None, :])
-        keys = tl.where(hit, size[:, None], 0)
-        fine_keys += tl.sum(keys, 0)
-        fine_before += tl.sum(tl.where((offs_c < tile * TILE)[:, None], keys, 0), 0)
+    fine = tl.arange(0, OCTAVE)  # the cut octave's keys per band: the row's, the tiles' before this one
+    tile_fine = tl.load(fine_keys_ptr + req * stride_fr + head * stride_fh + offs_t[:, None] * stride_ft
+                        + fine[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
+    fine_keys = tl.sum(tile_fine, 0)
+    fine_before = tl.sum(tl.where((offs_t < tile)[:, None], tile_fine, 0), 0)
     cut_fine = tl.min(tl.where(above_octaves + tl.cumsum(fine_keys, 0) >= budget, fine, OCTAVE - 1), 0)
     cut = cut_octave * OCTAVE + cut_fine
     above_all = above_octaves + tl.sum(tl.where(fine < cut_fine, fine_keys, 0), 0)
@@ -463,6 +498,9 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, con
              mask=first & ~met)
     base_above = octaves_before + tl.sum(tl.where(fine < cut_fine, fine_before, 0), 0)
     base_cut = tl.sum(tl.where(fine == cut_fine, fine_before, 0), 0)
+    top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
+    scores_row = scores_ptr + req * stride_sr + head * stride_sh
+    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
     ends_row = ends_ptr + req * stride_er + head * stride_eh
     tile_end = tl.minimum((tile + 1) * TILE, num_clusters)
     for start in range(0, TILE, BLOCK_E):
@@ -535,9 +573,10 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         budget 8: band 0 holds 5 keys, bands 0 and 1 11: cut 1, need 3: cluster 1, then cluster 2 (0 before it
         < 3), cluster 3 (2 < 3); positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
 
-    Two launches, neither zeroing nor atomics: per tile of clusters, the cut (its octave from every tile's keys per
-    octave, counted by `centroid_scores`, then its band from a scan of the row) and the running ends of the two runs;
-    then the positions, each output slot finding its
+    Three launches, neither zeroing nor atomics: per tile of clusters, its keys per band of the row's cut octave
+    (the best octave to the budget, from every tile's keys per octave that `centroid_scores` counted); per tile, the
+    cut band from every tile's of those, and the running ends of the two runs; then the positions, each output slot
+    finding its
     cluster by a binary search of those ends.
 
     Args and result as `select_positions`', but `scored` is `centroid_scores`' result (its `sizes` the offsets'
@@ -555,13 +594,20 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
     ends = torch.empty(num_reqs, R, 2, C, dtype=torch.int32, device=device)
     contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
     offsets = cluster_offsets.to(torch.int32)
+    fine_keys = torch.empty(num_reqs, R, tiles, BAND_OCTAVE, dtype=torch.int32, device=device)
+    tile, block_t = scored.tile_clusters, triton.next_power_of_2(tiles)
+    _octave_bands_kernel[(num_reqs, R, tiles)](
+        scores, scored.top_bands, scored.band_keys, offsets, contexts, budget, fine_keys, C, tiles,
+        *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3], *offsets.stride()[:2],
+        *budget.stride(), *fine_keys.stride()[:3],
+        TILE=tile, SCAN=min(OCTAVE_SCAN_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=block_t, BANDS=SCORE_BANDS,
+        OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
     _band_ends_kernel[(num_reqs, R, tiles)](
-        scores, scored.top_bands, scored.band_keys, offsets, contexts, budget, above, ends, counts, C, tiles,
-        max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
-        *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
-        TILE=scored.tile_clusters, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(scored.tile_clusters)),
-        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE,
-        SCAN=min(CUT_SCAN_CLUSTERS, triton.next_power_of_2(C)), CONTEXTS=context_ids is not None)
+        scores, scored.top_bands, scored.band_keys, fine_keys, offsets, contexts, budget, above, ends, counts, C,
+        tiles, max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
+        *fine_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
+        TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=block_t, BANDS=SCORE_BANDS,
+        OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
     out_w = GATHER_SLOTS if device.type == "cuda" else 16
     _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
         offsets, cluster_positions, contexts, above, ends, counts, selected, C, max_selected,

@@ -26,10 +26,10 @@ from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, CUT_SCAN_CLUSTERS,
-                                         GATHER_SLOTS, SCORE_BANDS, _band_ends_kernel, _band_gather_kernel,
-                                         _centroid_logits_kernel, _centroid_scores_kernel, _page_scores_kernel,
-                                         _score_tiles)
+from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS,
+                                         OCTAVE_SCAN_CLUSTERS, SCORE_BANDS, _band_ends_kernel, _band_gather_kernel,
+                                         _centroid_logits_kernel, _centroid_scores_kernel, _octave_bands_kernel,
+                                         _page_scores_kernel, _score_tiles)
 from vllm_duo.kernels.row_pages import PAGE_SLOTS, _merge_rows_kernel, _row_pages_kernel
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
@@ -147,8 +147,11 @@ def cases():
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
             for clusters in (4 * tile, 16 * tile):  # tiles of 4 chunks at 4 x 128k, the widest ends chunk
                 ends = dict(TILE=clusters, BLOCK_E=min(BAND_CLUSTERS, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
-                            OCTAVE=BAND_OCTAVE, SCAN=CUT_SCAN_CLUSTERS, CONTEXTS=True)
+                            OCTAVE=BAND_OCTAVE, CONTEXTS=True)
                 yield f"band ends {tag} tile {clusters}", _band_ends_kernel, model, cache, ends, {}
+                octave = dict(TILE=clusters, SCAN=min(OCTAVE_SCAN_CLUSTERS, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
+                              OCTAVE=BAND_OCTAVE, CONTEXTS=True)
+                yield f"octave bands {tag} tile {clusters}", _octave_bands_kernel, model, cache, octave, {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
                    dict(OUT_W=GATHER_SLOTS, SEARCH_STEPS=14, CONTEXTS=True), {})
 

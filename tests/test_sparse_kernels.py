@@ -340,8 +340,8 @@ def test_select_positions(budget, max_selected, shared, threshold):
     (1000, 100, False, 2, "wide", 1),  # one cluster holds every key (odd ones stay empty), cut at max_selected
     (50, 200, True, 40, "equal", 1),  # every score equal (dummy weights): the budget taken in cluster order
     (100, 200, False, 40, "far", 1),  # half the keys e^-30 below the top: the cut in the last band
-    ("per_row", 200, True, 100, "wide", 3)])  # tiles of 3 chunks, the ends kernel's chunk wider than a tile and its
-# scan of a row's cut octave over several chunks
+    ("per_row", 200, True, 100, "wide", 3)])  # tiles of 3 chunks, the ends kernel's chunk wider than a tile, a tile's
+# keys per band of the cut octave counted over several chunks
 def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypatch):
     """The fast selection over `centroid_scores`' bands: the score bands above the cut whole, the cut band's clusters
     in cluster order until the budget is met; over several tiles of clusters (the interpreter's tiles hold 16), with
@@ -350,7 +350,7 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     if chunks > 1:
         monkeypatch.setattr("vllm_duo.kernels.selection._score_split",
                             lambda rows, clusters, block_c, device: (chunks, -(-clusters // (chunks * block_c))))
-        monkeypatch.setattr("vllm_duo.kernels.selection.CUT_SCAN_CLUSTERS", 16)
+        monkeypatch.setattr("vllm_duo.kernels.selection.OCTAVE_SCAN_CLUSTERS", 16)
     num_reqs, R = 4, 3
     lengths = [150, 7, 93, 164]
     num_contexts = 2 if shared else num_reqs
