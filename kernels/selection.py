@@ -232,7 +232,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     query heads of each retrieval KV head; with each row's keys per score band, for `select_banded`. With `radii`,
     l_i = (q.C_i + radius_weight |q| r_i) * scale: a cluster whose keys spread far from its centroid may hold a key
     the query wants however far the centroid lies (w = 1 bounds every key's logit; on SmolLM2's needles w = 0.5
-    brings decode's next-token distribution 4-40x closer to duo's at equal keys read: `SqueezeSettings`).
+    brings decode's next-token distribution 3-100x closer to duo's at equal keys read: `SqueezeSettings`).
 
     Two launches, each over (request, head, tile of clusters): the logits with each tile's softmax partials, then
     the scores and the tile's keys per octave of bands from every tile's partials. Tiles spread a context's
@@ -462,9 +462,9 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
     (the best band whose keys and those of every better band reach the budget; the last if none does) in two steps:
     the cut octave from every tile's keys per octave, then the cut band within it from every tile's keys per band
     of that octave (`_octave_bands_kernel`). It then writes, for each cluster of its tile, where its keys end in the
-    row's two runs, inclusive running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above the cut, `ends[.., 1, c]`
-    of the sizes in the cut band. The cut band's clusters are taken while the keys before them are fewer than the
-    row's need, so its run ends at the first that meets it: the program holding that one writes the count; where
+    row's two runs, inclusive running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above
+    the cut, `ends[.., 1, c]` of the sizes in the cut band. The cut band's clusters are taken while the keys before
+    them are fewer than the row's need, so its run ends at the first that meets it: the program holding that one writes the count; where
     none does (all of them taken, or none needed) tile 0's program writes it, and always the keys above the cut."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)

@@ -30,7 +30,7 @@ class SqueezeSettings(BaseModel):
     """budget: share of a context's clustered keys each retrieval head reads at decode (0 < budget <= 1);
     keys_per_cluster: mean keys per centroid; iters: Lloyd iterations at most, from `init` seeds; radius_weight: w in
     a cluster's logit q.C + w |q| r (r its largest key distance from C; 0 Squeezed Attention's Eq. 1, 1 a bound on
-    every key's logit; 0.5 on SmolLM2's needles brought decode's next-token distribution 4-40x closer to duo's than
+    every key's logit; 0.5 on SmolLM2's needles brought decode's next-token distribution 3-100x closer to duo's than
     0 at equal keys read, benchmarks/results/2026-11-27-cpu-squeeze-radius); max_contexts: slots
     kept at once; min_context_len / max_context_len: the prompts a slot takes (others are served by duo unsqueezed;
     the longest sizes every slot); tail: a prompt's last tokens, read whole rather than clustered, so that prompts
