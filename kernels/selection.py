@@ -464,8 +464,9 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
     of that octave (`_octave_bands_kernel`). It then writes, for each cluster of its tile, where its keys end in the
     row's two runs, inclusive running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above
     the cut, `ends[.., 1, c]` of the sizes in the cut band. The cut band's clusters are taken while the keys before
-    them are fewer than the row's need, so its run ends at the first that meets it: the program holding that one writes the count; where
-    none does (all of them taken, or none needed) tile 0's program writes it, and always the keys above the cut."""
+    them are fewer than the row's need, so its run ends at the first that meets it: the program holding that one
+    writes the count; where none does (all of them taken, or none needed) tile 0's program writes it, and always the
+    keys above the cut."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
     row = req * stride_cr + head * stride_ch
