@@ -401,6 +401,15 @@ GATHER_SLOTS = 256  # output slots per gather program on a GPU (1024: lookup 0.3
 
 
 @triton.jit
+def _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS: tl.constexpr):
+    """Clusters `offs_c` of a row (where `ok`): each one's score band (`_score_band`) and its keys, from the CSR
+    offsets."""
+    band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
+    size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
+    return band, size
+
+
+@triton.jit
 def _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr, stride_kh, stride_kt, stride_br,
                 stride_bh, BLOCK_T: tl.constexpr, OCTAVES: tl.constexpr):
     """A row's cut octave (the best whose keys and those of every better octave reach the row's budget; the last if
@@ -441,8 +450,7 @@ def _octave_bands_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, 
     for start in range(0, TILE, SCAN):
         offs_c = tile * TILE + start + tl.arange(0, SCAN)
         ok = offs_c < tile_end
-        band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
-        size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
+        band, size = _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS)
         hit = (ok & (band // OCTAVE == cut_octave))[:, None] & ((band % OCTAVE)[:, None] == fine[None, :])
         fine_keys += tl.sum(tl.where(hit, size[:, None], 0), 0)
     tl.store(fine_keys_ptr + req * stride_fr + head * stride_fh + tile * stride_ft + fine, fine_keys)
@@ -507,8 +515,7 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
     for start in range(0, TILE, BLOCK_E):
         offs_c = tile * TILE + start + tl.arange(0, BLOCK_E)
         ok = offs_c < tile_end
-        band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
-        size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
+        band, size = _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS)
         above = tl.where(ok & (band < cut), size, 0)
         in_cut = tl.where(ok & (band == cut), size, 0)
         above_ends = base_above + tl.cumsum(above, 0)
