@@ -192,6 +192,8 @@ def test_settings_memory_and_window():
         SqueezeSettings(budget=0)
     with pytest.raises(ValueError, match="keys_per_cluster"):
         SqueezeSettings(keys_per_cluster=0)
+    with pytest.raises(ValueError, match="radius_weight"):
+        SqueezeSettings(radius_weight=-0.5)
     settings = SqueezeSettings(max_contexts=2, max_context_len=1000, keys_per_cluster=16)
     for dtype in (torch.bfloat16, FP8_CENTROIDS):
         contexts = ClusteredContexts(TWO_LAYERS, 64, 4, settings, centroid_dtype=dtype)
