@@ -34,11 +34,11 @@ the torch profiler's kernels of both steps.
 squeeze decode (`--squeeze-decode`, issue 33): the same steps at 4 x 64k and 4 x 128k over an fp8 cache, duo as served
 against duo with Squeezed Attention's lookup and sparse decode on its retrieval heads at budgets 1/16, 1/8 and 1/4 of
 the keys (random clusters, fp8 centroids as served: timing only), each step whole, its lookup alone and its sparse
-decode alone, and with bf16 centroids; at 1/16 the layer as served (FlashAttention's window pass, the lookup,
-FlashAttention over pages of one cache row listing the selected keys, the merge), also without its lookup.
-`--squeeze-sweep`: at 4 x 128k and 1/16 only, the launch settings of the lookup (clusters per band-kernel chunk,
-output slots per gather program) and of the sparse decode (splits, shortest split, key tile, pipeline stages), each
-part alone, then whole steps with settings combined.
+decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, then FlashAttention over pages of one
+cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
+streaming heads), also without its lookup.
+`--squeeze-sweep`: at 4 x 128k and 1/16 only, the layer as served with the launch settings of the centroid kernels
+(programs per SM, clusters per tile; also their time alone) and of the row pass (FlashAttention's splits) varied.
 
 Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode
 | --squeeze-sweep]
@@ -915,9 +915,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     centroids in fp8 with a scale per head as served beside an fp8 cache; bf16 centroids as a variant), then at 1/16
     as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
     equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, with the launch
-    settings of the lookup and the sparse decode varied (`--squeeze-sweep`)."""
+    settings of the centroid kernels and the row pass varied (`--squeeze-sweep`)."""
     from vllm_duo import gpu_attention
-    from vllm_duo.kernels import selection, sparse_decode
+    from vllm_duo.kernels import selection
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
@@ -988,13 +988,13 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             window_pages(table, ends, BLOCK, window_tables[R])
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
-                 store=stores, sparse_splits=None, min_split=None, served=False):
+                 store=stores, served=False):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
-            clusters; `sparse_splits`, `min_split` the sparse decode's (default as served); `served`: the squeeze's
-            layer as the backend runs it (duo_attention_gpu: FlashAttention's window pass, the lookup, then
-            FlashAttention over the selected rows and the merge, the streaming heads beside all of it)."""
+            clusters; `served`: the squeeze's layer as the backend runs it (duo_attention_gpu: the lookup, then
+            FlashAttention over the selected rows and the merge, FlashAttention's window pass and the streaming
+            heads beside them)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -1021,8 +1021,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                             attend_rows(*selected, ends)
                         elif attend:
                             sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
-                                                    max_num_splits=sparse_splits, quant=quant, checked=True,
-                                                    min_split=min_split)
+                                                    quant=quant, checked=True)
                     if served:
                         gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                         out, 1, max_len, quant=quant,
@@ -1051,28 +1050,19 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
 
         if sweep:
             timed("duo", step())
-            timed("squeeze 1/16", step(16))
             timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
-            timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
-            timed("lookup only, bf16 centroids", step(16, write=False, attend=False, store=bf16_stores))
-            for band, slots in ((1024, 1024), (1024, 256), (1024, 128), (256, 1024), (256, 256), (256, 128)):
-                with patch.object(selection, "BAND_CLUSTERS", band), patch.object(selection, "GATHER_SLOTS", slots):
-                    timed(f"lookup only, band chunk {band}, gather slots {slots}", step(16, write=False, attend=False))
-            selections = selections_at(16)
-            for parts, min_split in ((None, None), (64, 128), (128, 128), (128, 64), (256, 64), (32, 256)):
-                timed(f"sparse decode only, splits {parts or 'served'}, shortest {min_split or 'served'}",
-                      step(16, write=False, lookup=False, selections=selections, sparse_splits=parts,
-                           min_split=min_split))
-            for tiles in ((64, 256, 2), (64, 256, 4), (32, 64, 3), (32, 128, 3)):
-                for parts in (None, 128):
-                    with patch.object(sparse_decode, "decode_tiles", lambda head_dim, device, tiles=tiles: tiles):
-                        timed(f"sparse decode only, tile {tiles[0]} shortest {tiles[1]} stages {tiles[2]}, "
-                              f"splits {parts or 'served'}",
-                              step(16, write=False, lookup=False, selections=selections, sparse_splits=parts))
-            for band, slots, parts, min_split in ((1024, 256, 128, 128), (256, 256, 128, 128), (1024, 128, 128, 64)):
-                with patch.object(selection, "BAND_CLUSTERS", band), patch.object(selection, "GATHER_SLOTS", slots):
-                    timed(f"squeeze 1/16, band chunk {band}, gather slots {slots}, splits {parts} "
-                          f"shortest {min_split}", step(16, sparse_splits=parts, min_split=min_split))
+            for per_sm, tile in ((2, 64), (8, 64), (4, 128), (8, 128)):
+                with patch.object(selection, "SCORE_PROGRAMS_PER_SM", per_sm), \
+                        patch.object(selection, "_score_tiles", lambda device, tile=tile: tile):
+                    timed(f"centroid scores only, {per_sm} programs per SM, tiles of {tile}",
+                          step(16, write=False, attend=False, select=False))
+                    timed(f"squeeze 1/16 as served, centroid scores at {per_sm} programs per SM, tiles of {tile}",
+                          step(16, served=True))
+            timed("centroid scores only (served: 4 programs per SM, tiles of 64)",
+                  step(16, write=False, attend=False, select=False))
+            for parts in (16, 64):
+                with patch.object(gpu_attention, "row_splits", lambda entries, device, parts=parts: parts):
+                    timed(f"squeeze 1/16 as served, row pass in {parts} splits", step(16, served=True))
             results.append(res)
             continue
 

@@ -304,13 +304,17 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     return scored
 
 
+SCORE_PROGRAMS_PER_SM = 4  # the centroid kernels' programs per SM, at most 64 tiles per row
+
+
 def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.device) -> tuple[int, int]:
-    """(chunks of block_c clusters per program, tiles per row): enough programs to fill the GPU (about 4 per SM)
-    with at most 64 tiles per row; on the CPU one chunk per tile (the interpreter tests the split)."""
+    """(chunks of block_c clusters per program, tiles per row): enough programs to fill the GPU
+    (SCORE_PROGRAMS_PER_SM) with at most 64 tiles per row; on the CPU one chunk per tile (the interpreter tests the
+    split)."""
     chunks_needed = triton.cdiv(num_clusters, block_c)
     if device.type != "cuda":
         return 1, chunks_needed
-    want = min(64, triton.cdiv(4 * _sm_count(device.index), max(rows, 1)))
+    want = min(64, triton.cdiv(SCORE_PROGRAMS_PER_SM * _sm_count(device.index), max(rows, 1)))
     chunks = max(1, triton.cdiv(chunks_needed, want))  # 1 without clusters
     return chunks, triton.cdiv(chunks_needed, chunks)
 

@@ -77,11 +77,12 @@ def run_sparse(case: Case, cache: torch.Tensor, selected: torch.Tensor, counts: 
     return out
 
 
-def duo_decode(case: Case, cache: torch.Tensor, stream: torch.Tensor | None, splits: int = 2) -> torch.Tensor:
+def duo_decode(case: Case, cache: torch.Tensor, stream: torch.Tensor | None, splits: int = 2,
+               quant=None) -> torch.Tensor:
     """Duo's own decode of the step (the split decode kernel over the written caches): what a full selection equals."""
     full = case.poisoned_output()
     decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, full, splits,
-                     stream_cache=stream)
+                     stream_cache=stream, quant=quant)
     return full
 
 
@@ -501,15 +502,18 @@ FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],
                                      page_heads=3, sink=8, recent=24)}
 
 
-def flash_passes(case: Case, flash, quant=None) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+def flash_passes(case: Case, flash, quant=None,
+                 served: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """The squeezed decode as gpu_attention.py serves it with FlashAttention (`flash`): the window pass over each
     squeezed row's pages from its block-aligned context end on (the first decoding row reads no context), then the
     pass over pages of one cache row listing its sinks and half its clustered positions, merged -> (output, the
-    sparse decode's reference, squeezed token rows, unsqueezed decoding token rows)."""
-    from vllm_duo.gpu_attention import retrieval_flash_attention, selected_rows_attention
+    sparse decode's reference, squeezed token rows, unsqueezed decoding token rows). `served` (CUDA): the whole step
+    by `duo_attention_gpu` (the cache write, the streaming heads, a decode batch's passes on two streams, replayed
+    from a CUDA graph)."""
+    from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_flash_attention, selected_rows_attention
     from vllm_duo.squeeze import window_pages
 
-    cache, _ = written_caches(case, quant)
+    cache, stream = written_caches(case, quant)
     p, heads, starts = case.preset, case.heads, case.query_start_loc
     decoding = [i for i in range(len(case.seq_lens)) if starts[i + 1] - starts[i] == 1]
     ends = [0] * len(case.seq_lens)
@@ -525,11 +529,31 @@ def flash_passes(case: Case, flash, quant=None) -> tuple[torch.Tensor, torch.Ten
     window_table = torch.zeros_like(retrieval_table)
     window_pages(retrieval_table, context_ends, p.block_size, window_table)
     out = case.poisoned_output()
-    queries, window_lse = retrieval_flash_attention(
-        flash, case.query, cache, heads, case.qsl, case.sl - context_ends, window_table, case.scale, out,
-        max(starts[i + 1] - starts[i] for i in range(len(case.seq_lens))), max(case.seq_lens), quant, with_lse=True)
-    selected_rows_attention(flash, queries, window_lse, cache, heads, case.qsl, case.block_table, case.scale, out,
-                            quant, selected, counts, context_ends)
+    max_query_len = max(starts[i + 1] - starts[i] for i in range(len(case.seq_lens)))
+    if served:
+        served_cache, served_stream = case.fresh_caches()
+
+        def step():
+            duo_attention_gpu(case.query, case.key, case.value, served_cache, heads, case.qsl, case.sl,
+                              case.block_table, case.scale, out, max_query_len, max(case.seq_lens),
+                              stream_cache=served_stream, quant=quant, retrieval_table=window_table,
+                              retrieval_seq_lens=case.sl - context_ends,
+                              squeezed=lambda attend: attend(selected, counts, context_ends))
+        step()  # compiles, and runs a batch with prefills
+        if max_query_len == 1:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            out.fill_(float("nan"))
+            graph.replay()
+        assert torch.equal(served_cache, cache) and (stream is None or torch.equal(served_stream, stream))
+    else:
+        queries, window_lse = retrieval_flash_attention(flash, case.query, cache, heads, case.qsl,
+                                                        case.sl - context_ends, window_table, case.scale, out,
+                                                        max_query_len, max(case.seq_lens), quant, with_lse=True)
+        selected_rows_attention(flash, queries, lambda: window_lse, selected, counts, context_ends, cache=cache,
+                                heads=heads, query_start_loc=case.qsl, block_table=case.block_table,
+                                scale=case.scale, output=out, quant=quant)
     expected = sparse_reference(case, cache, selected, counts, ends)
     return (out, expected, [starts[i] for i, e in enumerate(ends) if e > 0],
             [starts[i] for i in decoding if ends[i] == 0])
@@ -587,6 +611,34 @@ def test_flash_passes_on_the_gpu(name, kv_dtype):
     q = case.heads.retrieval_q
     tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out[squeezed][:, q].float().cpu(), expected[squeezed][:, q].float().cpu(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FLASH_GPU))
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype):
+    """The whole step by duo_attention_gpu with the squeeze (a decode batch replayed from a CUDA graph, its window
+    pass and streaming heads on a second stream beside the lookup): squeezed rows get the sparse decode's result,
+    decoding rows without a context duo's retrieval decode, and every decoding row duo's streaming heads."""
+    from vllm_duo import vllm_seam
+
+    flash = vllm_seam.flash_attn_varlen()
+    if flash is None:
+        pytest.skip("vLLM's FlashAttention-3 is not available here")
+    quant = cuda_scales() if kv_dtype in FP8 else None
+    case = make_case(FLASH_GPU[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
+    out, expected, squeezed, plain = flash_passes(case, flash, quant, served=True)
+    heads = case.heads
+    tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[squeezed][:, heads.retrieval_q].float().cpu(),
+                               expected[squeezed][:, heads.retrieval_q].float().cpu(), **tol)
+    cache, stream = written_caches(case, quant)
+    duo = duo_decode(case, cache, stream, quant=quant)
+    decoding = squeezed + plain
+    torch.testing.assert_close(out[plain][:, heads.retrieval_q].float().cpu(),
+                               duo[plain][:, heads.retrieval_q].float().cpu(), **tol)
+    torch.testing.assert_close(out[decoding][:, heads.streaming_q].float().cpu(),
+                               duo[decoding][:, heads.streaming_q].float().cpu(), **tol)
 
 
 def test_row_pages_index_the_cache_rows_through_its_strides():

@@ -8,7 +8,7 @@ streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads, t
 35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
 FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
 Where the squeeze is on, FlashAttention also reads the keys it selects, as pages of one cache row, merged with its
-window pass (`selected_rows_attention`).
+window pass (`selected_rows_attention`), which runs beside the lookup.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             table lists from there on: `SqueezeRows.flash_seq_lens`, `squeeze.window_pages`); FlashAttention then takes
             the retrieval heads of decode too.
         squeezed: the squeeze's lookup and attention over the selected keys (`ClusteredContexts.decode`), given
-            how to attend them (`selected_rows_attention` after FlashAttention's window pass, or None: the Triton
-            sparse decode) and run right after the window pass on the same stream, so that the streaming heads'
-            decode runs beside both.
+            how to attend them (`selected_rows_attention`, merging with FlashAttention's window pass, or None: the
+            Triton sparse decode). At decode the window pass and then the streaming heads run beside the lookup on
+            a second stream (`squeezed_decode`); a batch with prefills runs the window pass first.
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
@@ -76,18 +76,52 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         output, max_query_len, max_seq_len, quant,
         num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
         schedules=flash_schedules if max_query_len > 1 else None)
-
-    def retrieval() -> None:
+    rows_part = functools.partial(selected_rows_attention, flash, cache=cache, heads=heads,
+                                  query_start_loc=query_start_loc, block_table=block_table, scale=scale,
+                                  output=output, quant=quant)
+    if squeezed is not None and max_query_len == 1:
+        squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant), flash_part, rows_part,
+                        streaming if heads.num_streaming else None, squeezed, query.device)
+    elif max_query_len == 1 and heads.num_streaming:
+        beside(streaming, flash_part, query.device)
+    else:
         window = flash_part(with_lse=squeezed is not None)
         if squeezed is not None:
-            squeezed(functools.partial(selected_rows_attention, flash, *window, cache, heads, query_start_loc,
-                                       block_table, scale, output, quant))
-
-    if max_query_len == 1 and heads.num_streaming:
-        beside(streaming, retrieval, query.device)
-    else:
-        retrieval()
+            squeezed(functools.partial(rows_part, window[0], lambda: window[1]))
         streaming()
+
+
+def squeezed_decode(make_queries: Callable[[], torch.Tensor], window_part, rows_part,
+                    streaming: Callable[[], None] | None, squeezed: Callable[[Callable], None],
+                    device: torch.device) -> None:
+    """The squeeze's decode step on two streams. On the current one the lookup, then FlashAttention's pass over the
+    selected keys, then the merge; beside it the retrieval queries as FlashAttention takes them, the window pass
+    and the streaming heads. The window pass reads a few hundred keys per row in launches that leave most SMs idle,
+    as the lookup's do: beside each other they cost about the longer one (`kernels_bench.py --squeeze-decode`).
+
+        current: logits, scores, bands, ends, gather, row pages | wait queries | row pass | wait all | merge
+        beside:  queries | window pass | streaming heads
+    """
+    main, side = torch.cuda.current_stream(device), side_stream(device)
+    made = {}
+    queries_ready = torch.cuda.Event()
+
+    def beside_lookup() -> None:
+        made["queries"] = make_queries()
+        queries_ready.record(side)
+        made["window_lse"] = window_part(with_lse=True, queries=made["queries"])[1]
+        if streaming is not None:
+            streaming()
+
+    def joined() -> torch.Tensor:
+        main.wait_stream(side)
+        return made["window_lse"]
+
+    def attend(*selection: torch.Tensor) -> None:
+        main.wait_event(queries_ready)
+        rows_part(made["queries"], joined, *selection)
+
+    beside(beside_lookup, lambda: squeezed(attend), device)
 
 
 def beside(side_work, main_work, device: torch.device) -> None:
@@ -99,10 +133,7 @@ def beside(side_work, main_work, device: torch.device) -> None:
     almost nothing (the 32-layer step at 4 x 64k fp8: 4.76 -> 4.34 ms, kernels_bench.py --long-decode). Inside a
     CUDA graph capture the second stream joins the capture as a parallel branch (its allocations come from the
     graph's pool, as the capture stream's do)."""
-    main = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(device.index)
-    if side is None:
-        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    main, side = torch.cuda.current_stream(device), side_stream(device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         side_work()
@@ -110,7 +141,15 @@ def beside(side_work, main_work, device: torch.device) -> None:
     main.wait_stream(side)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index: one second stream each, made on first use
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """`beside`'s second stream on `device`, made on first use."""
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return side
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 
 
 # (query, cache) dtypes FlashAttention-3 takes: 16-bit, or fp8 e4m3 KV with queries quantized to it;
@@ -126,8 +165,8 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, retrieval_table: torch.Tensor,
                               scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int,
                               quant: KVQuant | None = None, num_splits: int = 0,
-                              schedules: dict[int, torch.Tensor] | None = None,
-                              with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+                              schedules: dict[int, torch.Tensor] | None = None, with_lse: bool = False,
+                              queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and
@@ -144,15 +183,14 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
 
     `with_lse`: returns the queries as FlashAttention took them, `[num_tokens, R * G, head_dim]`, and the
     log-sum-exp `[R * G, num_tokens]` of each retrieval query head, for a pass that merges with this one.
+    `queries`: those queries made beforehand (`flash_queries`).
     """
     R = heads.num_retrieval
     options = {}  # the fp8 descales, the step's schedule
+    q = flash_queries(query, heads, cache, quant) if queries is None else queries
     if cache.dtype == torch.float8_e4m3fn:
-        q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
-        q = retrieval_queries(query, heads, cache.dtype, q_scale)
-        options = fp8_descales(q_scale, quant, cache, (seq_lens.shape[0], R))
-    else:
-        q = retrieval_queries(query, heads)
+        options = fp8_descales(as_scale((quant or KVQuant()).q_scale, cache.device), quant, cache,
+                               (seq_lens.shape[0], R))
     if schedules is not None:
         if R not in schedules:
             schedules[R] = vllm_seam.flash_scheduler()(
@@ -177,13 +215,24 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     return (q, lse) if with_lse else None
 
 
-def selected_rows_attention(flash, queries: torch.Tensor, window_lse: torch.Tensor, cache: torch.Tensor,
-                            heads: LayerHeads, query_start_loc: torch.Tensor, block_table: torch.Tensor,
-                            scale: float, output: torch.Tensor, quant: KVQuant | None, selected: torch.Tensor,
-                            num_selected: torch.Tensor, context_ends: torch.Tensor) -> None:
+def flash_queries(query: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
+                  quant: KVQuant | None = None) -> torch.Tensor:
+    """The retrieval heads' queries `[num_tokens, R * G, head_dim]` as FlashAttention takes them: over an fp8 cache
+    quantized by the layer's q scale (one launch), else as they are (a view where the weights put them first)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return retrieval_queries(query, heads, cache.dtype, as_scale((quant or KVQuant()).q_scale, cache.device))
+    return retrieval_queries(query, heads)
+
+
+def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[], torch.Tensor],
+                            selected: torch.Tensor, num_selected: torch.Tensor, context_ends: torch.Tensor, *,
+                            cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
+                            block_table: torch.Tensor, scale: float, output: torch.Tensor,
+                            quant: KVQuant | None) -> None:
     """The squeeze's second pass: FlashAttention over pages of one cache row listing each squeezed row's sinks and
     selected keys per retrieval head (kernels/row_pages.py), merged into `output` with the window pass that
-    `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries` and `window_lse`).
+    `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries`, and `window_lse()` its log-sum-exp
+    once the merge may read it: where the window pass runs on another stream, the call joins it).
 
     One batch entry per (request, retrieval KV head), its G query heads at the request's last token; rows without a
     context have empty lists and are not merged. Fixed shapes, no host syncs: CUDA-graph capturable."""
@@ -200,7 +249,7 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: torch.Tens
                      max_seqlen_q=1, seqused_k=lens, max_seqlen_k=pages.shape[1], softmax_scale=scale, causal=False,
                      block_table=pages, num_splits=row_splits(num_reqs * R, cache.device), return_softmax_lse=True,
                      **options)
-    merge_rows(output, window_lse, out, lse, heads, query_start_loc, context_ends)
+    merge_rows(output, window_lse(), out, lse, heads, query_start_loc, context_ends)
 
 
 def fp8_descales(q_scale: torch.Tensor, quant: KVQuant | None, cache: torch.Tensor, shape: tuple[int, int]) -> dict:
