@@ -38,7 +38,7 @@ decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, 
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
 streaming heads), also without its lookup.
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, the layer as served with the launch settings of the centroid kernels
-(programs per SM, clusters per tile; also their time alone) and of the row pass (FlashAttention's splits) varied.
+(programs per SM, clusters per tile; also their time alone) and of the row pass (its parts per list) varied.
 
 Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode
 | --squeeze-sweep]
@@ -972,8 +972,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                               torch.randn(batch, R, C, HEAD_DIM, dtype=DTYPE, device=DEV)) for R in layouts}
         res = dict(case=case, batch=batch, context=context, clusters_per_head=C, variants_ms={}, errors={})
 
+        # each budget's tensor made once, as serving stages it once per step (not a fill in every layer)
+        budgets = {k: torch.full((batch, max(counts)), T // k, dtype=torch.int32, device=DEV)
+                   for k in SQUEEZE_BUDGETS}
+
         def choose(scored, offsets, positions, k, banded=True):
-            budget = torch.full(scored.scores.shape[:2], T // k, dtype=torch.int32, device=DEV)
+            budget = budgets[k][:, :scored.scores.shape[1]]
             served = SqueezeSettings(budget=1 / k, keys_per_cluster=KEYS_PER_CLUSTER, max_context_len=T)
             if banded:
                 return select_banded(scored, offsets, positions, budget, served.max_selected())
@@ -1060,9 +1064,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                           step(16, served=True))
             timed("centroid scores only (served: 4 programs per SM, tiles of 64)",
                   step(16, write=False, attend=False, select=False))
-            for parts in (16, 64):
-                with patch.object(gpu_attention, "row_splits", lambda entries, device, parts=parts: parts):
-                    timed(f"squeeze 1/16 as served, row pass in {parts} splits", step(16, served=True))
+            for parts in (8, 16, 32):
+                with patch.object(gpu_attention, "row_parts", lambda entries, device, parts=parts: parts):
+                    timed(f"squeeze 1/16 as served, row pass in {parts} parts per list", step(16, served=True))
             results.append(res)
             continue
 

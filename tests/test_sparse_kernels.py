@@ -3,6 +3,8 @@
 interpreter with test_kernels.py's small cases; the end-to-end equality: selecting every context position gives
 duo's full retrieval decode."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Preset, assert_close, assert_only,
@@ -502,14 +504,21 @@ FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],
                                      page_heads=3, sink=8, recent=24)}
 
 
-def flash_passes(case: Case, flash, quant=None,
-                 served: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+class FlashPasses(NamedTuple):
+    out: torch.Tensor
+    expected: torch.Tensor  # the sparse decode's reference at the squeezed rows
+    squeezed: list[int]  # token rows of the requests that read a context
+    plain: list[int]  # token rows of the decoding requests that read none
+    cache: torch.Tensor  # the caches the step read
+    stream: torch.Tensor | None
+
+
+def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPasses:
     """The squeezed decode as gpu_attention.py serves it with FlashAttention (`flash`): the window pass over each
     squeezed row's pages from its block-aligned context end on (the first decoding row reads no context), then the
-    pass over pages of one cache row listing its sinks and half its clustered positions, merged -> (output, the
-    sparse decode's reference, squeezed token rows, unsqueezed decoding token rows). `served` (CUDA): the whole step
-    by `duo_attention_gpu` (the cache write, the streaming heads, a decode batch's passes on two streams, replayed
-    from a CUDA graph)."""
+    pass over pages of one cache row listing its sinks and half its clustered positions, merged. `served` (CUDA):
+    the whole step by `duo_attention_gpu` (the cache write, the streaming heads, a decode batch's passes on two
+    streams, replayed from a CUDA graph)."""
     from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_flash_attention, selected_rows_attention
     from vllm_duo.squeeze import window_pages
 
@@ -531,13 +540,13 @@ def flash_passes(case: Case, flash, quant=None,
     out = case.poisoned_output()
     max_query_len = max(starts[i + 1] - starts[i] for i in range(len(case.seq_lens)))
     if served:
-        served_cache, served_stream = case.fresh_caches()
+        cache, stream = case.fresh_caches()  # the step writes its own K/V
+        qsl, sl = case.qsl, case.sl  # made outside the capture
 
         def step():
-            duo_attention_gpu(case.query, case.key, case.value, served_cache, heads, case.qsl, case.sl,
-                              case.block_table, case.scale, out, max_query_len, max(case.seq_lens),
-                              stream_cache=served_stream, quant=quant, retrieval_table=window_table,
-                              retrieval_seq_lens=case.sl - context_ends,
+            duo_attention_gpu(case.query, case.key, case.value, cache, heads, qsl, sl, case.block_table, case.scale,
+                              out, max_query_len, max(case.seq_lens), stream_cache=stream, quant=quant,
+                              retrieval_table=window_table, retrieval_seq_lens=sl - context_ends,
                               squeezed=lambda attend: attend(selected, counts, context_ends))
         step()  # compiles, and runs a batch with prefills
         if max_query_len == 1:
@@ -546,7 +555,6 @@ def flash_passes(case: Case, flash, quant=None,
                 step()
             out.fill_(float("nan"))
             graph.replay()
-        assert torch.equal(served_cache, cache) and (stream is None or torch.equal(served_stream, stream))
     else:
         queries, window_lse = retrieval_flash_attention(flash, case.query, cache, heads, case.qsl,
                                                         case.sl - context_ends, window_table, case.scale, out,
@@ -555,8 +563,8 @@ def flash_passes(case: Case, flash, quant=None,
                                 heads=heads, query_start_loc=case.qsl, block_table=case.block_table,
                                 scale=case.scale, output=out, quant=quant)
     expected = sparse_reference(case, cache, selected, counts, ends)
-    return (out, expected, [starts[i] for i, e in enumerate(ends) if e > 0],
-            [starts[i] for i in decoding if ends[i] == 0])
+    return FlashPasses(out, expected, [starts[i] for i, e in enumerate(ends) if e > 0],
+                       [starts[i] for i in decoding if ends[i] == 0], cache, stream)
 
 
 def test_select_banded_ranks_clusters_far_below_the_top():
@@ -582,11 +590,11 @@ def test_flash_passes_equal_the_sparse_decode(name):
     """With a torch stand-in for FlashAttention: the squeezed rows get the sparse decode's result; a decoding row
     without a context keeps the window pass over all of its keys, duo's retrieval decode."""
     case = make_case(FLASH_PASSES[name])
-    out, expected, squeezed, plain = flash_passes(case, stand_in_flash)
+    step = flash_passes(case, stand_in_flash)
     q = case.heads.retrieval_q
-    assert_close(out[squeezed][:, q], expected[squeezed][:, q], torch.float32)
-    cache, stream = written_caches(case)
-    assert_close(out[plain][:, q], duo_decode(case, cache, stream)[plain][:, q], torch.float32)
+    assert_close(step.out[step.squeezed][:, q], step.expected[step.squeezed][:, q], torch.float32)
+    duo = duo_decode(case, step.cache, step.stream)
+    assert_close(step.out[step.plain][:, q], duo[step.plain][:, q], torch.float32)
 
 
 FLASH_GPU = {"llama_decode": GPU_PRESETS["llama_decode"],
@@ -607,10 +615,10 @@ def test_flash_passes_on_the_gpu(name, kv_dtype):
         pytest.skip("vLLM's FlashAttention-3 is not available here")
     quant = cuda_scales() if kv_dtype in FP8 else None
     case = make_case(FLASH_GPU[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
-    out, expected, squeezed, _ = flash_passes(case, flash, quant)
-    q = case.heads.retrieval_q
+    step = flash_passes(case, flash, quant)
+    rows, q = step.squeezed, case.heads.retrieval_q
     tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out[squeezed][:, q].float().cpu(), expected[squeezed][:, q].float().cpu(), **tol)
+    torch.testing.assert_close(step.out[rows][:, q].float().cpu(), step.expected[rows][:, q].float().cpu(), **tol)
 
 
 @pytest.mark.gpu
@@ -627,40 +635,70 @@ def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype):
         pytest.skip("vLLM's FlashAttention-3 is not available here")
     quant = cuda_scales() if kv_dtype in FP8 else None
     case = make_case(FLASH_GPU[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
-    out, expected, squeezed, plain = flash_passes(case, flash, quant, served=True)
+    step = flash_passes(case, flash, quant, served=True)
     heads = case.heads
     tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out[squeezed][:, heads.retrieval_q].float().cpu(),
-                               expected[squeezed][:, heads.retrieval_q].float().cpu(), **tol)
-    cache, stream = written_caches(case, quant)
-    duo = duo_decode(case, cache, stream, quant=quant)
-    decoding = squeezed + plain
-    torch.testing.assert_close(out[plain][:, heads.retrieval_q].float().cpu(),
-                               duo[plain][:, heads.retrieval_q].float().cpu(), **tol)
-    torch.testing.assert_close(out[decoding][:, heads.streaming_q].float().cpu(),
-                               duo[decoding][:, heads.streaming_q].float().cpu(), **tol)
+    duo = duo_decode(case, step.cache, step.stream, quant=quant)
+    for rows, expected, q in ((step.squeezed, step.expected, heads.retrieval_q), (step.plain, duo, heads.retrieval_q),
+                              (step.squeezed + step.plain, duo, heads.streaming_q)):
+        torch.testing.assert_close(step.out[rows][:, q].float().cpu(), expected[rows][:, q].float().cpu(), **tol)
 
 
-def test_row_pages_index_the_cache_rows_through_its_strides():
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_row_batch_indexes_the_cache_rows_through_its_strides(parts):
     """Row ids and views where the cache's blocks are further apart than their K/V (a layer's view into a shared
-    buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection."""
-    from vllm_duo.kernels.row_pages import row_pages, row_views
+    buffer): each list's parts, one after another, are the K/V rows of its sinks and then its selection, each part
+    with its request's last query at the list's head."""
+    from vllm_duo.kernels.row_pages import row_batch, row_views
 
-    heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, stride 2 (a streaming page group per block), sink 3
+    heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, G 2, stride 2 (a streaming page group per block), sink 3
     buffer = torch.randn(7, 3, 16, 2, 32)
     cache = buffer[:, :2]  # blocks 3 x 16 x 2 rows apart, K/V 16 x 2
     table = torch.randperm(14, dtype=torch.int32)[None, :].reshape(2, 7) % 7
     selected = torch.tensor([[[40, 17, 5], [9, 0, 0]], [[50, 3, 3], [60, 61, 20]]], dtype=torch.int32)
     counts = torch.tensor([[3, 1], [2, 3]], dtype=torch.int32)
-    pages, lens, starts = row_pages(selected, counts, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache)
+    queries = torch.randn(5, 4, 32)  # request 0 a prefill of tokens 0-2, request 1 a decode at token 3; a pad row
+    qsl = torch.tensor([0, 3, 4], dtype=torch.int32)
+    batch = row_batch(selected, counts, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache, queries, qsl,
+                      parts)
     k_rows, v_rows = row_views(cache)
-    assert lens.tolist() == [6, 4, 5, 6] and starts.tolist() == [0, 1, 2, 3, 4]
+    assert batch.starts.tolist() == list(range(4 * parts + 1))
+    lens = batch.lens.view(4, parts)
+    assert lens.sum(1).tolist() == [6, 4, 5, 6] and (lens.max(1).values - lens.min(1).values <= -(-6 // parts)).all()
     for entry in range(4):
         req, head = divmod(entry, 2)
         positions = [0, 1, 2] + selected[req, head, :counts[req, head]].tolist()
         block = table[req, [p // 16 * 2 for p in positions]].long()
-        ids = pages[entry, :lens[entry]].long()
+        ids = torch.cat([batch.pages[entry * parts + p, :lens[entry, p]] for p in range(parts)]).long()
         assert torch.equal(k_rows[ids, 0, 0], cache[block, 0, torch.tensor(positions) % 16, head])
         assert torch.equal(v_rows[ids, 0, 0], cache[block, 1, torch.tensor(positions) % 16, head])
-    _, lens, _ = row_pages(selected, counts, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache)
-    assert lens.tolist() == [0, 0, 5, 6]  # a row without a context lists nothing
+        last = queries[int(qsl[req + 1]) - 1, head * 2:head * 2 + 2]
+        assert all(torch.equal(batch.queries[entry * parts + p], last) for p in range(parts))
+    batch = row_batch(selected, counts, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache, queries, qsl,
+                      parts)
+    assert batch.lens.view(4, parts).sum(1).tolist() == [0, 0, 5, 6]  # a row without a context lists nothing
+
+
+def test_merge_rows_leaves_out_empty_parts():
+    """The merge weighs each part of a list by its log-sum-exp against the window pass's, and leaves out the
+    parts FlashAttention read no key for, whatever it wrote there (+inf and NaN here); rows without a context keep
+    the window pass's output."""
+    from vllm_duo.kernels.row_pages import RowBatch, merge_rows
+
+    heads = LayerHeads.build([1], 2, 4, 1, 2, 4)  # R 1, G 2: retrieval query heads 2 and 3
+    parts, num_reqs = 3, 2
+    output = torch.randn(num_reqs, 4, 16)
+    window_lse = torch.randn(2, num_reqs)
+    rows_out, rows_lse = torch.randn(num_reqs * parts, 2, 16), torch.randn(2, num_reqs * parts)
+    lens = torch.tensor([4, 0, 3, 5, 5, 2], dtype=torch.int32)
+    rows_out[1], rows_lse[:, 1] = float("nan"), float("inf")  # request 0's empty part
+    batch = RowBatch(None, lens, None, None)
+    merged = output.clone()
+    merge_rows(merged, window_lse, rows_out, rows_lse, batch, heads, torch.tensor([0, 1, 2], dtype=torch.int32),
+               torch.tensor([32, 0], dtype=torch.int32))
+    for g, h in enumerate((2, 3)):
+        lse = torch.cat([window_lse[g, :1], rows_lse[g, [0, 2]]])
+        values = torch.stack([output[0, h], rows_out[0, g], rows_out[2, g]])
+        expected = (torch.softmax(lse, 0)[:, None] * values).sum(0)
+        torch.testing.assert_close(merged[0, h], expected)
+    assert torch.equal(merged[1], output[1]) and torch.equal(merged[0, :2], output[0, :2])

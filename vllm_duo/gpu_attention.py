@@ -24,7 +24,7 @@ from vllm_duo.kernels.cache_write import as_scale, scale_tensors
 from vllm_duo.kernels.decode import _sm_count
 from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
-from vllm_duo.kernels.row_pages import merge_rows, row_pages, row_views
+from vllm_duo.kernels.row_pages import merge_rows, row_batch, row_views
 
 
 def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -99,26 +99,27 @@ def squeezed_decode(make_queries: Callable[[], torch.Tensor], window_part, rows_
     and the streaming heads. The window pass reads a few hundred keys per row in launches that leave most SMs idle,
     as the lookup's do: beside each other they cost about the longer one (`kernels_bench.py --squeeze-decode`).
 
-        current: logits, scores, bands, ends, gather, row pages | wait queries | row pass | wait all | merge
+        current: logits, scores, bands, ends, gather, row pages | wait queries | row pass | wait window | merge
         beside:  queries | window pass | streaming heads
     """
     main, side = torch.cuda.current_stream(device), side_stream(device)
     made = {}
-    queries_ready = torch.cuda.Event()
+    queries_made, window_done = torch.cuda.Event(), torch.cuda.Event()
 
     def beside_lookup() -> None:
         made["queries"] = make_queries()
-        queries_ready.record(side)
+        queries_made.record(side)
         made["window_lse"] = window_part(with_lse=True, queries=made["queries"])[1]
+        window_done.record(side)
         if streaming is not None:
             streaming()
 
     def joined() -> torch.Tensor:
-        main.wait_stream(side)
+        main.wait_event(window_done)
         return made["window_lse"]
 
     def attend(*selection: torch.Tensor) -> None:
-        main.wait_event(queries_ready)
+        main.wait_event(queries_made)
         rows_part(made["queries"], joined, *selection)
 
     beside(beside_lookup, lambda: squeezed(attend), device)
@@ -234,22 +235,22 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[
     `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries`, and `window_lse()` its log-sum-exp
     once the merge may read it: where the window pass runs on another stream, the call joins it).
 
-    One batch entry per (request, retrieval KV head), its G query heads at the request's last token; rows without a
-    context have empty lists and are not merged. Fixed shapes, no host syncs: CUDA-graph capturable."""
-    R, G, num_reqs = heads.num_retrieval, heads.group_size, context_ends.shape[0]
-    pages, lens, starts = row_pages(selected, num_selected, context_ends, block_table, heads, cache)
-    if queries.shape[0] != num_reqs:  # a mixed batch: each request's last token
-        queries = queries[query_start_loc[1:] - 1]
+    Per (request, retrieval KV head) `row_parts` batch entries, each a part of its list with its G query heads at
+    the request's last token, read in one split; rows without a context have empty lists and are not merged. Fixed
+    shapes, no host syncs: CUDA-graph capturable."""
+    R, num_reqs = heads.num_retrieval, context_ends.shape[0]
+    parts = row_parts(num_reqs * R, cache.device)
+    batch = row_batch(selected, num_selected, context_ends, block_table, heads, cache, queries, query_start_loc,
+                      parts)
     options = {}
     if cache.dtype == torch.float8_e4m3fn:
         q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
-        options = fp8_descales(q_scale, quant, cache, (num_reqs * R, 1))
+        options = fp8_descales(q_scale, quant, cache, (batch.lens.shape[0], 1))
     k_rows, v_rows = row_views(cache)
-    out, lse = flash(q=queries.reshape(num_reqs * R, G, -1), k=k_rows, v=v_rows, cu_seqlens_q=starts,
-                     max_seqlen_q=1, seqused_k=lens, max_seqlen_k=pages.shape[1], softmax_scale=scale, causal=False,
-                     block_table=pages, num_splits=row_splits(num_reqs * R, cache.device), return_softmax_lse=True,
-                     **options)
-    merge_rows(output, window_lse(), out, lse, heads, query_start_loc, context_ends)
+    out, lse = flash(q=batch.queries, k=k_rows, v=v_rows, cu_seqlens_q=batch.starts, max_seqlen_q=1,
+                     seqused_k=batch.lens, max_seqlen_k=batch.pages.shape[1], softmax_scale=scale, causal=False,
+                     block_table=batch.pages, num_splits=1, return_softmax_lse=True, **options)
+    merge_rows(output, window_lse(), out, lse, batch, heads, query_start_loc, context_ends)
 
 
 def fp8_descales(q_scale: torch.Tensor, quant: KVQuant | None, cache: torch.Tensor, shape: tuple[int, int]) -> dict:
@@ -259,10 +260,14 @@ def fp8_descales(q_scale: torch.Tensor, quant: KVQuant | None, cache: torch.Tens
     return dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape), v_descale=v_scale.expand(shape))
 
 
-def row_splits(entries: int, device: torch.device) -> int:
-    """FlashAttention's KV splits for the row pass: about 4 programs per SM over all entries, at most
-    FLASH_MAX_SPLITS (at 16 entries of 8k keys on an H100, 32 splits read at 0.91 ms a step, its own choice 1.04);
-    1 off CUDA (the tests' stand-in)."""
+def row_parts(entries: int, device: torch.device) -> int:
+    """Batch entries per (request, retrieval head) list in the row pass (`row_batch`): about 2 programs per SM over
+    all of them, at most ROW_MAX_PARTS (at 16 lists of 8k keys on an H100 FlashAttention's own 16 splits read
+    0.03 ms a step faster than 32, 64 slower: benchmarks/results/2026-11-28-h100-squeeze-streams); 3 off CUDA, so
+    that the tests' stand-in merges uneven parts."""
     if device.type != "cuda":
-        return 1
-    return max(1, min(FLASH_MAX_SPLITS, -(-4 * _sm_count(device.index) // max(entries, 1))))
+        return 3
+    return max(1, min(ROW_MAX_PARTS, -(-2 * _sm_count(device.index) // max(entries, 1))))
+
+
+ROW_MAX_PARTS = 64
