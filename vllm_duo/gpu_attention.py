@@ -34,7 +34,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       quant: KVQuant | None = None, retrieval_table: torch.Tensor | None = None,
                       flash_schedules: dict[int, torch.Tensor] | None = None,
                       retrieval_seq_lens: torch.Tensor | None = None,
-                      squeezed: Callable[[], None] | None = None) -> None:
+                      squeezed: Callable[[Callable | None], None] | None = None) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
