@@ -522,7 +522,8 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
     from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_flash_attention, selected_rows_attention
     from vllm_duo.squeeze import window_pages
 
-    cache, stream = written_caches(case, quant)
+    # served, the step writes its own K/V
+    cache, stream = case.fresh_caches() if served else written_caches(case, quant)
     p, heads, starts = case.preset, case.heads, case.query_start_loc
     decoding = [i for i in range(len(case.seq_lens)) if starts[i + 1] - starts[i] == 1]
     ends = [0] * len(case.seq_lens)
@@ -540,7 +541,6 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
     out = case.poisoned_output()
     max_query_len = max(starts[i + 1] - starts[i] for i in range(len(case.seq_lens)))
     if served:
-        cache, stream = case.fresh_caches()  # the step writes its own K/V
         qsl, sl = case.qsl, case.sl  # made outside the capture
 
         def step():

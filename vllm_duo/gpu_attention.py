@@ -190,8 +190,7 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     options = {}  # the fp8 descales, the step's schedule
     q = flash_queries(query, heads, cache, quant) if queries is None else queries
     if cache.dtype == torch.float8_e4m3fn:
-        options = fp8_descales(as_scale((quant or KVQuant()).q_scale, cache.device), quant, cache,
-                               (seq_lens.shape[0], R))
+        options = fp8_descales(quant, cache, (seq_lens.shape[0], R))
     if schedules is not None:
         if R not in schedules:
             schedules[R] = vllm_seam.flash_scheduler()(
@@ -221,7 +220,7 @@ def flash_queries(query: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
     """The retrieval heads' queries `[num_tokens, R * G, head_dim]` as FlashAttention takes them: over an fp8 cache
     quantized by the layer's q scale (one launch), else as they are (a view where the weights put them first)."""
     if cache.dtype == torch.float8_e4m3fn:
-        return retrieval_queries(query, heads, cache.dtype, as_scale((quant or KVQuant()).q_scale, cache.device))
+        return retrieval_queries(query, heads, cache.dtype, flash_q_scale(quant, cache))
     return retrieval_queries(query, heads)
 
 
@@ -244,8 +243,7 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[
                       parts)
     options = {}
     if cache.dtype == torch.float8_e4m3fn:
-        q_scale = as_scale((quant or KVQuant()).q_scale, cache.device)
-        options = fp8_descales(q_scale, quant, cache, (batch.lens.shape[0], 1))
+        options = fp8_descales(quant, cache, (batch.lens.shape[0], 1))
     k_rows, v_rows = row_views(cache)
     out, lse = flash(q=batch.queries, k=k_rows, v=v_rows, cu_seqlens_q=batch.starts, max_seqlen_q=1,
                      seqused_k=batch.lens, max_seqlen_k=batch.pages.shape[1], softmax_scale=scale, causal=False,
@@ -253,11 +251,18 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[
     merge_rows(output, window_lse(), out, lse, batch, heads, query_start_loc, context_ends)
 
 
-def fp8_descales(q_scale: torch.Tensor, quant: KVQuant | None, cache: torch.Tensor, shape: tuple[int, int]) -> dict:
-    """FlashAttention-3's descales over an fp8 cache, `shape` (batch entries, KV heads): the queries' (quantized by
-    `q_scale`), the layer's k and v scales."""
+def flash_q_scale(quant: KVQuant | None, cache: torch.Tensor) -> torch.Tensor:
+    """The layer's q scale as a float32 tensor on the cache's device: what `flash_queries` quantizes by over an fp8
+    cache, and FlashAttention descales them by."""
+    return as_scale((quant or KVQuant()).q_scale, cache.device)
+
+
+def fp8_descales(quant: KVQuant | None, cache: torch.Tensor, shape: tuple[int, int]) -> dict:
+    """FlashAttention-3's descales over an fp8 cache, `shape` (batch entries, KV heads): the queries'
+    (`flash_q_scale`), the layer's k and v scales."""
     k_scale, v_scale = scale_tensors(quant, cache)
-    return dict(q_descale=q_scale.expand(shape), k_descale=k_scale.expand(shape), v_descale=v_scale.expand(shape))
+    return dict(q_descale=flash_q_scale(quant, cache).expand(shape), k_descale=k_scale.expand(shape),
+                v_descale=v_scale.expand(shape))
 
 
 def row_parts(entries: int, device: torch.device) -> int:
