@@ -38,8 +38,7 @@ decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, 
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
 streaming heads), also without its lookup.
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, the layer as served with the launch settings of the centroid kernels
-(programs per SM, clusters per tile; also their time alone) and of the row pass (its parts per list, or
-FlashAttention's own splits of one entry per list) varied.
+(programs per SM, clusters per tile; also their time alone) and of the row pass (FlashAttention's splits) varied.
 
 Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode
 | --squeeze-sweep]
@@ -1065,14 +1064,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                           step(16, served=True))
             timed("centroid scores only (served: 4 programs per SM, tiles of 64)",
                   step(16, write=False, attend=False, select=False))
-            for parts in (8, 16, 32):
-                with patch.object(gpu_attention, "row_parts", lambda entries, device, parts=parts: parts):
-                    timed(f"squeeze 1/16 as served, row pass in {parts} parts per list", step(16, served=True))
-            for splits in (16, 32):  # 391f91c's row pass: one entry per list, FlashAttention's splits and combine
-                with patch.object(gpu_attention, "row_parts", lambda entries, device: 1), \
-                        patch.object(gpu_attention, "ROW_FLASH_SPLITS", splits):
-                    timed(f"squeeze 1/16 as served, row pass in {splits} FlashAttention splits per list",
-                          step(16, served=True))
+            for parts in (16, 64):
+                with patch.object(gpu_attention, "row_splits", lambda entries, device, parts=parts: parts):
+                    timed(f"squeeze 1/16 as served, row pass in {parts} splits", step(16, served=True))
             results.append(res)
             continue
 

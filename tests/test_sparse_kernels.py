@@ -653,62 +653,26 @@ def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, monkeypatch):
         torch.testing.assert_close(step.out[rows][:, q].float().cpu(), expected[rows][:, q].float().cpu(), **tol)
 
 
-@pytest.mark.parametrize("parts", [1, 2, 4])
-def test_row_batch_indexes_the_cache_rows_through_its_strides(parts):
+def test_row_pages_index_the_cache_rows_through_its_strides():
     """Row ids and views where the cache's blocks are further apart than their K/V (a layer's view into a shared
-    buffer): each list's parts, one after another, are the K/V rows of its sinks and then its selection, each part
-    with its request's last query at the list's head."""
-    from vllm_duo.kernels.row_pages import row_batch, row_views
+    buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection."""
+    from vllm_duo.kernels.row_pages import row_pages, row_views
 
-    heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, G 2, stride 2 (a streaming page group per block), sink 3
+    heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, stride 2 (a streaming page group per block), sink 3
     buffer = torch.randn(7, 3, 16, 2, 32)
     cache = buffer[:, :2]  # blocks 3 x 16 x 2 rows apart, K/V 16 x 2
     table = torch.randperm(14, dtype=torch.int32)[None, :].reshape(2, 7) % 7
     selected = torch.tensor([[[40, 17, 5], [9, 0, 0]], [[50, 3, 3], [60, 61, 20]]], dtype=torch.int32)
     counts = torch.tensor([[3, 1], [2, 3]], dtype=torch.int32)
-    queries = torch.randn(5, 4, 32)  # request 0 a prefill of tokens 0-2, request 1 a decode at token 3; a pad row
-    qsl = torch.tensor([0, 3, 4], dtype=torch.int32)
-    batch = row_batch(selected, counts, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache, queries, qsl,
-                      parts)
+    pages, lens, starts = row_pages(selected, counts, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache)
     k_rows, v_rows = row_views(cache)
-    assert batch.starts.tolist() == list(range(4 * parts + 1))
-    lens = batch.lens.view(4, parts)
-    assert lens.sum(1).tolist() == [6, 4, 5, 6]
-    assert (lens[:, 1:] <= lens[:, :1]).all()  # equal parts, the last ones shorter or empty
+    assert lens.tolist() == [6, 4, 5, 6] and starts.tolist() == [0, 1, 2, 3, 4]
     for entry in range(4):
         req, head = divmod(entry, 2)
         positions = [0, 1, 2] + selected[req, head, :counts[req, head]].tolist()
         block = table[req, [p // 16 * 2 for p in positions]].long()
-        ids = torch.cat([batch.pages[entry * parts + p, :lens[entry, p]] for p in range(parts)]).long()
+        ids = pages[entry, :lens[entry]].long()
         assert torch.equal(k_rows[ids, 0, 0], cache[block, 0, torch.tensor(positions) % 16, head])
         assert torch.equal(v_rows[ids, 0, 0], cache[block, 1, torch.tensor(positions) % 16, head])
-        last = queries[int(qsl[req + 1]) - 1, head * 2:head * 2 + 2]
-        assert all(torch.equal(batch.queries[entry * parts + p], last) for p in range(parts))
-    batch = row_batch(selected, counts, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache, queries, qsl,
-                      parts)
-    assert batch.lens.view(4, parts).sum(1).tolist() == [0, 0, 5, 6]  # a row without a context lists nothing
-
-
-def test_merge_rows_leaves_out_empty_parts():
-    """The merge weighs each part of a list by its log-sum-exp against the window pass's, and leaves out the
-    parts FlashAttention read no key for, whatever it wrote there (+inf and NaN here); rows without a context keep
-    the window pass's output."""
-    from vllm_duo.kernels.row_pages import RowBatch, merge_rows
-
-    heads = LayerHeads.build([1], 2, 4, 1, 2, 4)  # R 1, G 2: retrieval query heads 2 and 3
-    parts, num_reqs = 3, 2
-    output = torch.randn(num_reqs, 4, 16)
-    window_lse = torch.randn(2, num_reqs)
-    rows_out, rows_lse = torch.randn(num_reqs * parts, 2, 16), torch.randn(2, num_reqs * parts)
-    lens = torch.tensor([4, 0, 3, 5, 5, 2], dtype=torch.int32)
-    rows_out[1], rows_lse[:, 1] = float("nan"), float("inf")  # request 0's empty part
-    batch = RowBatch(None, lens, None, None)
-    merged = output.clone()
-    merge_rows(merged, window_lse, rows_out, rows_lse, batch, heads, torch.tensor([0, 1, 2], dtype=torch.int32),
-               torch.tensor([32, 0], dtype=torch.int32))
-    for g, h in enumerate((2, 3)):
-        lse = torch.cat([window_lse[g, :1], rows_lse[g, [0, 2]]])
-        values = torch.stack([output[0, h], rows_out[0, g], rows_out[2, g]])
-        expected = (torch.softmax(lse, 0)[:, None] * values).sum(0)
-        torch.testing.assert_close(merged[0, h], expected)
-    assert torch.equal(merged[1], output[1]) and torch.equal(merged[0, :2], output[0, :2])
+    _, lens, _ = row_pages(selected, counts, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache)
+    assert lens.tolist() == [0, 0, 5, 6]  # a row without a context lists nothing

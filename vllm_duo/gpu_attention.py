@@ -24,7 +24,7 @@ from vllm_duo.kernels.cache_write import as_scale, scale_tensors
 from vllm_duo.kernels.decode import _sm_count
 from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
-from vllm_duo.kernels.row_pages import merge_rows, row_batch, row_views
+from vllm_duo.kernels.row_pages import merge_rows, row_pages, row_views
 
 
 def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -234,21 +234,30 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[
     `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries`, and `window_lse()` its log-sum-exp
     once the merge may read it: where the window pass runs on another stream, the call joins it).
 
-    Per (request, retrieval KV head) `row_parts` batch entries, each a part of its list with its G query heads at
-    the request's last token, read in one split; rows without a context have empty lists and are not merged. Fixed
-    shapes, no host syncs: CUDA-graph capturable."""
-    R, num_reqs = heads.num_retrieval, context_ends.shape[0]
-    parts = row_parts(num_reqs * R, cache.device)
-    batch = row_batch(selected, num_selected, context_ends, block_table, heads, cache, queries, query_start_loc,
-                      parts)
+    One batch entry per (request, retrieval KV head), its G query heads at the request's last token; rows without a
+    context have empty lists and are not merged. Fixed shapes, no host syncs: CUDA-graph capturable."""
+    R, G, num_reqs = heads.num_retrieval, heads.group_size, context_ends.shape[0]
+    pages, lens, starts = row_pages(selected, num_selected, context_ends, block_table, heads, cache)
+    if queries.shape[0] != num_reqs:  # a mixed batch: each request's last token
+        queries = queries[query_start_loc[1:] - 1]
     options = {}
     if cache.dtype == torch.float8_e4m3fn:
-        options = fp8_descales(quant, cache, (batch.lens.shape[0], 1))
+        options = fp8_descales(quant, cache, (num_reqs * R, 1))
     k_rows, v_rows = row_views(cache)
-    out, lse = flash(q=batch.queries, k=k_rows, v=v_rows, cu_seqlens_q=batch.starts, max_seqlen_q=1,
-                     seqused_k=batch.lens, max_seqlen_k=batch.pages.shape[1], softmax_scale=scale, causal=False,
-                     block_table=batch.pages, num_splits=ROW_FLASH_SPLITS, return_softmax_lse=True, **options)
-    merge_rows(output, window_lse(), out, lse, batch, heads, query_start_loc, context_ends)
+    out, lse = flash(q=queries.reshape(num_reqs * R, G, -1), k=k_rows, v=v_rows, cu_seqlens_q=starts,
+                     max_seqlen_q=1, seqused_k=lens, max_seqlen_k=pages.shape[1], softmax_scale=scale, causal=False,
+                     block_table=pages, num_splits=row_splits(num_reqs * R, cache.device), return_softmax_lse=True,
+                     **options)
+    merge_rows(output, window_lse(), out, lse, heads, query_start_loc, context_ends)
+
+
+def row_splits(entries: int, device: torch.device) -> int:
+    """FlashAttention's KV splits for the row pass: about 4 programs per SM over all entries, at most
+    FLASH_MAX_SPLITS (at 16 entries of 8k keys on an H100, 32 splits read at 0.91 ms a step, its own choice 1.04);
+    1 off CUDA (the tests' stand-in)."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(FLASH_MAX_SPLITS, -(-4 * _sm_count(device.index) // max(entries, 1))))
 
 
 def flash_q_scale(quant: KVQuant | None, cache: torch.Tensor) -> torch.Tensor:
@@ -263,19 +272,3 @@ def fp8_descales(quant: KVQuant | None, cache: torch.Tensor, shape: tuple[int, i
     k_scale, v_scale = scale_tensors(quant, cache)
     return dict(q_descale=flash_q_scale(quant, cache).expand(shape), k_descale=k_scale.expand(shape),
                 v_descale=v_scale.expand(shape))
-
-
-def row_parts(entries: int, device: torch.device) -> int:
-    """Batch entries per (request, retrieval head) list in the row pass (`row_batch`): about 2 programs per SM over
-    all of them, at most ROW_MAX_PARTS (at 16 lists of 8k keys on an H100 FlashAttention's own 16 splits read
-    0.03 ms a step faster than 32, 64 slower: benchmarks/results/2026-11-28-h100-squeeze-streams); 3 off CUDA, so
-    that the tests' stand-in merges uneven parts."""
-    if device.type != "cuda":
-        return 3
-    return max(1, min(ROW_MAX_PARTS, -(-2 * _sm_count(device.index) // max(entries, 1))))
-
-
-ROW_MAX_PARTS = 64
-# FlashAttention's own KV splits per row-pass entry: 1, the parts stand in for them (kernels_bench --squeeze-sweep
-# times one entry per list in FlashAttention's splits beside them)
-ROW_FLASH_SPLITS = 1
