@@ -209,9 +209,9 @@ json.dump(c, open(p, 'w'), indent=1)"
       wait; tail -n 6 "$OUT/gpu_sparse_tests.log"; tail -n 12 "$OUT/gpu_e2e_squeeze.log" ;;
     # issue 33's accuracy: full, duo50 and duo50 squeezed at two budgets on both families (SEED, default 1), two
     # evals side by side, each engine in a quarter of the GPU; KV=fp8: all of them over an fp8 KV cache (where the
-    # squeeze keeps fp8 centroids)
+    # squeeze keeps fp8 centroids); SQ_METHODS the second eval's methods instead (e.g. "duo50-sq12 duo50-sq12k32")
     squeeze_eval) kv=${KV:+-$KV}
-      for methods in "full$kv duo50$kv" "duo50$kv-sq20 duo50$kv-sq12"; do
+      for methods in "full$kv duo50$kv" "${SQ_METHODS:-duo50$kv-sq20 duo50$kv-sq12}"; do
         INSTALLED=1 DEADLINE=$((DEADLINE - SECONDS)) EVAL_NAME=squeeze-${methods// /-} \
           EVAL_ARGS="--methods $methods --seed ${SEED:-1} --engine-args $EVAL_ENGINE" bash benchmarks/gpu_run.sh eval > $WORK/squeeze-eval-${methods// /-}.out 2>&1 &
       done; wait; tail -n 12 $WORK/squeeze-eval-*.out ;;
@@ -227,10 +227,10 @@ json.dump(c, open(p, 'w'), indent=1)"
       done ;;
     # issue 33's speed: decode of 4 requests of 128k tokens at once (tpot_sweep's median inter-token latency), fp8 KV,
     # ONLY=dense|duo|squeeze (duo with the squeeze at budgets 1/16 and 1/4), all into one folder; WEIGHTS=fp8: every
-    # server with --quantization fp8 (a folder of its own)
+    # server with --quantization fp8 (a folder of its own); KPC: the squeeze's keys per centroid (default 16)
     squeeze_tpot) bench squeeze-tpot${WEIGHTS:+-w$WEIGHTS} --workloads tpot_sweep --set tpot_sweep.input_lens=130816 \
         --max-model-len tpot_sweep=131072 --kv-cache-dtype fp8 --squeeze ${SQUEEZE:-0.0625 0.25} --only ${ONLY:?set ONLY} \
-        ${WEIGHTS:+--engine-args "--quantization $WEIGHTS"} ;;
+        ${WEIGHTS:+--engine-args "--quantization $WEIGHTS"} ${KPC:+--squeeze-keys-per-cluster $KPC} ;;
     # issue 33's shared document: 32 questions at once over one 64k document, 1,024 tokens each answer, fp8 KV, prefix
     # caching; ONLY=dense|duo|squeeze (the squeeze clusters the document once and every question reads it)
     squeeze_doc) bench squeeze-doc --workloads shared_doc_64k --kv-cache-dtype fp8 --squeeze ${SQUEEZE:-0.0625} \

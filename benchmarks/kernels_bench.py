@@ -947,16 +947,18 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         C = triton.cdiv(T, KEYS_PER_CLUSTER)
 
         def clusters(R, labels, centroids, fp8=True, spread=True):
-            """A store of (centroids, sizes, offsets, positions, centroid scales, radii) for `labels` [R, T], the
-            same for every request; `fp8`: the centroids in fp8 with a scale per (request, head), as served beside
-            an fp8 cache (squeeze.py), else bf16 without scales; radii uniform in [0, 1), or 0 without `spread`."""
-            offsets, positions = to_csr(labels, C, positions_offset=SINK)
+            """A store of (centroids, sizes, offsets, positions, centroid scales, radii) for `labels` [R, T] of
+            `centroids` [batch, R, clusters, HEAD_DIM], the same for every request; `fp8`: the centroids in fp8 with
+            a scale per (request, head), as served beside an fp8 cache (squeeze.py), else bf16 without scales; radii
+            uniform in [0, 1), or 0 without `spread`."""
+            n = centroids.shape[2]
+            offsets, positions = to_csr(labels, n, positions_offset=SINK)
             scales = None
             if fp8:
                 centroids, scales = to_fp8_centroids(centroids)
-            return (centroids, (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, C).contiguous(),
-                    offsets.expand(batch, R, C + 1).contiguous(), positions.expand(batch, R, T).contiguous(), scales,
-                    torch.rand(batch, R, C, device=DEV) * spread)
+            return (centroids, (offsets[:, 1:] - offsets[:, :-1]).expand(batch, R, n).contiguous(),
+                    offsets.expand(batch, R, n + 1).contiguous(), positions.expand(batch, R, T).contiguous(), scales,
+                    torch.rand(batch, R, n, device=DEV) * spread)
 
         # random clusters: random centroids, a random label per key (and the same in bf16). Then two stores as dummy
         # weights may make them: equal centroids (every cluster in one score band, so every cluster kept) and skewed
@@ -978,7 +980,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
 
         def choose(scored, offsets, positions, k, banded=True):
             budget = budgets[k][:, :scored.scores.shape[1]]
-            served = SqueezeSettings(budget=1 / k, keys_per_cluster=KEYS_PER_CLUSTER, max_context_len=T)
+            keys_per_cluster = triton.cdiv(T, scored.scores.shape[2])
+            served = SqueezeSettings(budget=1 / k, keys_per_cluster=keys_per_cluster, max_context_len=T)
             if banded:
                 return select_banded(scored, offsets, positions, budget, served.max_selected())
             return select_positions(scored.scores, offsets, positions, budget, served.max_selected())
@@ -1064,6 +1067,14 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                           step(16, served=True))
             timed("centroid scores only (served: 4 programs per SM, tiles of 64)",
                   step(16, write=False, attend=False, select=False))
+            coarse_c = triton.cdiv(T, 2 * KEYS_PER_CLUSTER)  # half the centroids: what the lookup costs then
+            coarse = {R: clusters(R, torch.randint(0, coarse_c, (R, T), device=DEV),
+                                  torch.randn(batch, R, coarse_c, HEAD_DIM, dtype=DTYPE, device=DEV))
+                      for R in layouts}
+            timed(f"centroid scores only, {2 * KEYS_PER_CLUSTER} keys per cluster",
+                  step(16, write=False, attend=False, select=False, store=coarse))
+            timed(f"squeeze 1/16 as served, {2 * KEYS_PER_CLUSTER} keys per cluster", step(16, served=True,
+                                                                                       store=coarse))
             for parts in (16, 64):
                 with patch.object(gpu_attention, "row_splits", lambda entries, device, parts=parts: parts):
                     timed(f"squeeze 1/16 as served, row pass in {parts} splits", step(16, served=True))

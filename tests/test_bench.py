@@ -234,6 +234,16 @@ def test_squeeze_runs_duo_with_the_squeeze_at_each_budget(tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         cli.main([*args[:-3], "--squeeze", "0", "--out", str(tmp_path / "dry"), "--dry-run"])
     assert stopped.value.code == 2
+    assert cli.main([*args, "--only", "squeeze", "--squeeze-keys-per-cluster", "32"]) == 0
+    coarse = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(coarse) == 4 and all("-sq-0.0625-k32" in c or "-sq-0.25-k32" in c for c in coarse)
+    assert all('"keys_per_cluster": 32' in c for c in coarse)
+    assert not any("keys_per_cluster" in c for c in squeezed)
+    for wrong in (["--squeeze", "0.25", "--squeeze-keys-per-cluster", "0"], ["--squeeze-keys-per-cluster", "32"]):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main([*args[:-6], *wrong, "--out", str(tmp_path / "dry"), "--dry-run"])
+        assert stopped.value.code == 2
+    assert "--squeeze-keys-per-cluster is the keys per centroid" in capsys.readouterr().err
 
 
 def test_zigzag_patterns_are_written_layer_exclusive(tmp_path):

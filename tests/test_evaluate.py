@@ -80,17 +80,27 @@ def test_classic_passkey_prompts_are_the_published_test(tokenizer, smollm2_dir):
     ("full-fp8", "full", 0.0, "-fp8", None, "full", None),
     ("full", "full", 0.0, "", None, None, None),
     ("streaming50-r384", "streaming", 0.5, "", 384, "full", None),
-    ("duo50-fp8-sq25-r512", "duo", 0.5, "-fp8", 512, "full-fp8", 0.25)])
+    ("duo50-fp8-sq25-r512", "duo", 0.5, "-fp8", 512, "full-fp8", 0.25),
+    ("duo50-sq12k32", "duo", 0.5, "", None, "full", 0.12)])
 def test_methods_name_their_kv_cache_window_and_reference(name, kind, sparsity, kv_cache, recent, reference, squeeze):
     method = evaluate.Method.parse(name)
     assert (method.kind, method.sparsity, method.kv_cache, method.recent) == (kind, sparsity, kv_cache, recent)
-    assert method.squeeze == squeeze
+    assert method.squeeze == squeeze and method.keys_per_cluster == (32 if name.endswith("k32") else None)
     assert method.reference(["full", "full-fp8", name]) == reference
     assert evaluate.KV_CACHE_ARGS[kv_cache].get("kv_cache_dtype") == ("fp8" if kv_cache else None)
 
 
+@pytest.mark.parametrize("name, keys_per_cluster", [("duo50-sq12", None), ("duo50-sq12k32", 32)])
+def test_a_squeezed_method_engine_takes_its_budget_and_keys_per_cluster(name, keys_per_cluster):
+    settings = evaluate.EvalSettings(model="m", out="o", sink=64, recent=256)
+    [(duo, _cases)] = evaluate._engine_runs(settings, evaluate.Method.parse(name), 3, {}, [])
+    assert duo["squeeze"]["budget"] == 0.12
+    assert duo["squeeze"].get("keys_per_cluster") == keys_per_cluster
+
+
 @pytest.mark.parametrize("name", ["full50", "duo", "duo50-fp16", "duo50-r", "duo50-r512-fp8", "duo101",
-                                  "zigzag50-sq25", "duo50-sq0", "duo50-r512-sq25"])
+                                  "zigzag50-sq25", "duo50-sq0", "duo50-r512-sq25", "duo50-sq12k0",
+                                  "duo50-k32"])
 def test_a_method_name_out_of_the_grammar_is_one_line(name):
     with pytest.raises(evaluate.PatternError, match="optionally with -fp8 or -fp8calc"):
         evaluate.Method.parse(name)

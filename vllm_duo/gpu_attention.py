@@ -20,7 +20,7 @@ import torch
 
 from vllm_duo import vllm_seam
 from vllm_duo.kernels.attention import triton_attention, write_step
-from vllm_duo.kernels.cache_write import as_scale, scale_tensors
+from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
 from vllm_duo.kernels.decode import _sm_count
 from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
@@ -54,9 +54,12 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             Triton sparse decode). At decode the window pass and then the streaming heads run beside the lookup on
             a second stream (`squeezed_decode`); a batch with prefills runs the window pass first.
     """
+    squeezed_step = squeezed is not None and max_query_len == 1  # stores its K/V beside the lookup
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
-                                                     quant)
+                                                     quant, write=not squeezed_step)
+    write = functools.partial(write_kv, key, value, cache, heads, query_start_loc, seq_lens, block_table,
+                              stream_cache, quant, checked=True)
     flash = vllm_seam.flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
     by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn
                                       or retrieval_seq_lens is not None)
@@ -64,6 +67,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash)
     if not (by_flash and heads.num_retrieval):
+        if squeezed_step:
+            write()
         streaming()
         if squeezed is not None:
             squeezed(None)
@@ -79,8 +84,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     rows_part = functools.partial(selected_rows_attention, flash, cache=cache, heads=heads,
                                   query_start_loc=query_start_loc, block_table=block_table, scale=scale,
                                   output=output, quant=quant)
-    if squeezed is not None and max_query_len == 1:
-        squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant), flash_part, rows_part,
+    if squeezed_step:
+        squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant), write, flash_part, rows_part,
                         streaming if heads.num_streaming else None, squeezed, query.device)
     elif max_query_len == 1 and heads.num_streaming:
         beside(streaming, flash_part, query.device)
@@ -91,16 +96,18 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         streaming()
 
 
-def squeezed_decode(make_queries: Callable[[], torch.Tensor], window_part, rows_part,
+def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[], None], window_part, rows_part,
                     streaming: Callable[[], None] | None, squeezed: Callable[[Callable], None],
                     device: torch.device) -> None:
     """The squeeze's decode step on two streams. On the current one the lookup, then FlashAttention's pass over the
-    selected keys, then the merge; beside it the retrieval queries as FlashAttention takes them, the window pass
-    and the streaming heads. The window pass reads a few hundred keys per row in launches that leave most SMs idle,
-    as the lookup's do: beside each other they cost about the longer one (`kernels_bench.py --squeeze-decode`).
+    selected keys, then the merge; beside it the retrieval queries as FlashAttention takes them, the step's K/V
+    store (`write`), the window pass and the streaming heads. The window pass reads a few hundred keys per row in
+    launches that leave most SMs idle, as the lookup's do: beside each other they cost about the longer one
+    (`kernels_bench.py --squeeze-decode`). The current stream reads no key of this step: its selected keys and
+    sinks lie in the context, which ends before the window.
 
         current: logits, scores, bands, ends, gather, row pages | wait queries | row pass | wait window | merge
-        beside:  queries | window pass | streaming heads
+        beside:  queries | K/V store | window pass | streaming heads
     """
     main, side = torch.cuda.current_stream(device), side_stream(device)
     made = {}
@@ -109,6 +116,7 @@ def squeezed_decode(make_queries: Callable[[], torch.Tensor], window_part, rows_
     def beside_lookup() -> None:
         made["queries"] = make_queries()
         queries_made.record(side)
+        write()
         made["window_lse"] = window_part(with_lse=True, queries=made["queries"])[1]
         window_done.record(side)
         if streaming is not None:

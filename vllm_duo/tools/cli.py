@@ -151,6 +151,8 @@ def _add_bench_command(commands: _Subparsers) -> None:
                         help="also run duo with Squeezed Attention (duo.squeeze) reading these shares of each "
                              "prompt's clustered keys at decode, at each --sparsity (not in the capacity and ceiling "
                              "workloads)")
+    parser.add_argument("--squeeze-keys-per-cluster", type=int, metavar="N",
+                        help="keys per centroid of the --squeeze runs (default: duo.squeeze's, 16)")
     parser.add_argument("--sink", type=int, default=64, help="duo sink tokens (default 64)")
     parser.add_argument("--recent", type=int, default=256, help="duo recent tokens (default 256)")
     parser.add_argument("--workloads", nargs="+", default=["all"], metavar="NAME",

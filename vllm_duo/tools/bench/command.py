@@ -36,6 +36,8 @@ def command_line(args: argparse.Namespace, settings: Settings) -> list[str]:
     argv += ["--capacity-sparsity", *(f"{s:g}" for s in args.capacity_sparsity)] if args.capacity_sparsity else []
     argv += ["--zigzag-sparsity", *(f"{s:g}" for s in settings.zigzag_sparsity)] if settings.zigzag_sparsity else []
     argv += ["--squeeze", *(f"{b:g}" for b in settings.squeeze)] if settings.squeeze else []
+    keys = settings.squeeze_keys_per_cluster
+    argv += ["--squeeze-keys-per-cluster", str(keys)] if keys else []
     argv += ["--sink", str(settings.sink), "--recent", str(settings.recent), "--workloads", *args.workloads]
     argv += ["--kv-cache-dtype", *settings.kv_cache_dtypes]
     argv += ["--max-model-len", *args.max_model_len] if args.max_model_len else []
@@ -66,10 +68,14 @@ def command(args: argparse.Namespace) -> str:
         raise BenchError("sparsity values are fractions of streaming heads, in [0, 1]")
     if any(not 0 < b <= 1 for b in args.squeeze):
         raise BenchError("--squeeze budgets are shares of the clustered keys, in (0, 1]")
+    if args.squeeze_keys_per_cluster is not None and (args.squeeze_keys_per_cluster < 1 or not args.squeeze):
+        raise BenchError("--squeeze-keys-per-cluster is the keys per centroid of the --squeeze runs: at least 1, "
+                         "with --squeeze")
     out = Path(args.out) if args.out else default_out(device_name())
     settings = Settings(model=model, tokenizer=args.tokenizer, load_format=args.load_format, pattern=args.pattern,
                         sparsity=args.sparsity, capacity_sparsity=args.capacity_sparsity or args.sparsity,
-                        zigzag_sparsity=args.zigzag_sparsity, squeeze=args.squeeze, sink=args.sink, recent=args.recent,
+                        zigzag_sparsity=args.zigzag_sparsity, squeeze=args.squeeze,
+                        squeeze_keys_per_cluster=args.squeeze_keys_per_cluster, sink=args.sink, recent=args.recent,
                         workloads=workloads,
                         extra_dense_backends=args.extra_dense_backends, engine_args=shlex.split(args.engine_args or ""),
                         out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only,

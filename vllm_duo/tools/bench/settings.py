@@ -36,6 +36,7 @@ class Settings:
     argv: list[str] = field(default_factory=list)
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # each backend runs at each
     squeeze: list[float] = field(default_factory=list)  # budgets of duo with the squeeze, at each sparsity
+    squeeze_keys_per_cluster: int | None = None  # None: duo.squeeze's default
     env: dict[str, str] = field(default_factory=dict)  # added to the environment of every vLLM engine's process
 
     def duo_config(self, variant: Variant) -> dict:
@@ -44,6 +45,8 @@ class Settings:
         config = {"sparsity": variant.sparsity, "sink": self.sink, "recent": self.recent}
         if variant.squeeze:  # a slot per request a workload runs at once, each for its longest prompt
             config["squeeze"] = {"budget": variant.squeeze, "max_contexts": SQUEEZE_CONTEXTS}
+            if variant.keys_per_cluster:
+                config["squeeze"]["keys_per_cluster"] = variant.keys_per_cluster
         return {"pattern": self.pattern, **config} if self.pattern else config
 
     def zigzag_file(self, sparsity: float) -> Path:

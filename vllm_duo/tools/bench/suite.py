@@ -29,8 +29,8 @@ def variants_for(settings: Settings, workload: Workload, available_dense: list[s
                                                    for name in available_dense for kv in kv_dtypes]
     duos = [duo(s, kv) for s in sparsities for kv in kv_dtypes]
     zigzags = [] if sizes_cache else [zigzag(s, kv) for s in settings.zigzag_sparsity for kv in kv_dtypes]
-    squeezes = [] if sizes_cache else [squeezed(s, b, kv) for s in sparsities for b in settings.squeeze
-                                       for kv in kv_dtypes]
+    squeezes = [] if sizes_cache else [squeezed(s, b, kv, settings.squeeze_keys_per_cluster) for s in sparsities
+                                       for b in settings.squeeze for kv in kv_dtypes]
     return {"dense": baselines, "duo": duos, "zigzag": zigzags, "squeeze": squeezes}.get(
         settings.only, baselines + duos + zigzags + squeezes)
 

@@ -244,6 +244,7 @@ class Variant:
     layer_exclusive: bool = False  # duo serving the pattern's ZigzagAttention form at `sparsity`
     squeeze: float | None = None  # duo with the squeeze at this budget
     kv_cache_dtype: str = "auto"
+    keys_per_cluster: int | None = None  # the squeeze's keys per centroid (None: its default)
 
     @property
     def slug(self) -> str:
@@ -273,9 +274,11 @@ def duo(sparsity: float, kv_cache_dtype: str = "auto") -> Variant:
     return Variant(f"duo s={sparsity:g}{kv_suffix(kv_cache_dtype)}", "duo", sparsity, kv_cache_dtype=kv_cache_dtype)
 
 
-def squeezed(sparsity: float, budget: float, kv_cache_dtype: str = "auto") -> Variant:
-    return Variant(f"duo s={sparsity:g} sq={budget:g}{kv_suffix(kv_cache_dtype)}", "duo", sparsity, squeeze=budget,
-                   kv_cache_dtype=kv_cache_dtype)
+def squeezed(sparsity: float, budget: float, kv_cache_dtype: str = "auto",
+             keys_per_cluster: int | None = None) -> Variant:
+    keys = f" k{keys_per_cluster}" if keys_per_cluster else ""
+    return Variant(f"duo s={sparsity:g} sq={budget:g}{keys}{kv_suffix(kv_cache_dtype)}", "duo", sparsity,
+                   squeeze=budget, kv_cache_dtype=kv_cache_dtype, keys_per_cluster=keys_per_cluster)
 
 
 def zigzag(sparsity: float, kv_cache_dtype: str = "auto") -> Variant:
