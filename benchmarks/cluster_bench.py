@@ -2,7 +2,8 @@
 """The cost of Squeezed Attention's offline clustering (kernels/clustering.py, issue 33) for one context of
 Llama-3.1-8B: its 128 retrieval KV heads (half of 32 layers x 8, head_dim 128) at 16k, 64k and 128k selectable keys,
 C = n/16 clusters per head, 1 level (`cluster_keys`) and 2 levels (`cluster_keys_hierarchical`, C1 = F = sqrt(C)),
-k-means++ and random seeding, at most 20 Lloyd iterations.
+k-means++ and random seeding, at most 20 Lloyd iterations; on a GPU each with the fused assignment kernel as served
+(`clustering.nearest_centres`, bf16 dot products) and with the chunked float32 matmuls, side by side.
 
 Keys are random bf16 normals: they have no clusters, so Lloyd runs all its iterations (real keys may stop earlier:
 the iterations run are reported). Each case is timed once after a small warm-up case (the runs are seconds long);
@@ -10,6 +11,7 @@ peak GPU memory is reported beside the time.
 
   python benchmarks/cluster_bench.py                   # GPU: writes $OUT/cluster_bench.json or benchmarks/results/
   python benchmarks/cluster_bench.py --heads 2 --head-dim 8 --lengths 64   # any device, tiny
+  python benchmarks/cluster_bench.py --heads 4 --iters 10 --lengths 131072 --inits random   # one layer as served
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -29,6 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from kernels_bench import _import_kernels_from_checkout  # noqa: E402
 
 _import_kernels_from_checkout()
+from vllm_duo.kernels import clustering  # noqa: E402
 from vllm_duo.kernels.clustering import cluster_keys, cluster_keys_hierarchical  # noqa: E402
 
 LENGTHS = (16384, 65536, 131072)
@@ -54,13 +58,14 @@ def seconds(fn, device: torch.device) -> tuple[float, object]:
 
 def bench(heads: int = 128, head_dim: int = 128, lengths=LENGTHS, device: torch.device | None = None, iters: int = 20,
           inits=INITS, repeats: int = 1) -> list[dict]:
-    """One row per keys x levels x init: seconds (best of `repeats`), clusters per head, iterations run, peak
-    GPU memory (GiB, 0 on the CPU)."""
+    """One row per keys x init x levels x assignment ("fused" on a GPU, and "matmul"): seconds (best of `repeats`),
+    clusters per head, iterations run, peak GPU memory (GiB, 0 on the CPU)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device=device).manual_seed(0)
     warm = torch.randn(heads, 256, head_dim, generator=generator, device=device).to(torch.bfloat16)
     cluster_keys(warm, 16, iters=2)
     cluster_keys_hierarchical(warm, 4, 4, iters=2)
+    assigns = ("fused", "matmul") if device.type == "cuda" else ("matmul",)
     rows = []
     for length in lengths:
         keys = torch.randn(heads, length, head_dim, generator=generator, device=device).to(torch.bfloat16)
@@ -71,16 +76,17 @@ def bench(heads: int = 128, head_dim: int = 128, lengths=LENGTHS, device: torch.
                 (1, clusters, lambda: cluster_keys(keys, clusters, iters=iters, init=init).iterations),
                 (2, coarse * fine, lambda: cluster_keys_hierarchical(keys, coarse, fine, iters=iters,
                                                                      init=init)[1].iterations))
-            for levels, count, run in cases:
+            for (levels, count, run), assign in ((case, assign) for case in cases for assign in assigns):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                best, done = min(seconds(run, device) for _ in range(repeats))
+                with patch.object(clustering, "FUSED_ASSIGN", assign == "fused"):
+                    best, done = min(seconds(run, device) for _ in range(repeats))
                 peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0
                 rows.append({"keys": length, "heads": heads, "head_dim": head_dim, "levels": levels, "init": init,
-                             "clusters": count, "coarse": coarse if levels == 2 else None, "iterations": done,
-                             "seconds": best, "peak_gib": round(peak, 2)})
-                print(f"{length:>7} keys  {levels} level  {init:<9} C {count:>5}  {done:>2} it  {best:8.2f} s  "
-                      f"{peak:6.1f} GiB", flush=True)
+                             "assign": assign, "clusters": count, "coarse": coarse if levels == 2 else None,
+                             "iterations": done, "seconds": best, "peak_gib": round(peak, 2)})
+                print(f"{length:>7} keys  {levels} level  {init:<9} {assign:<6} C {count:>5}  {done:>2} it  "
+                      f"{best:8.2f} s  {peak:6.1f} GiB", flush=True)
         del keys
     return rows
 

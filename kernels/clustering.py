@@ -4,10 +4,11 @@ KV head, and the CSR of positions per cluster that `selection.select_positions` 
 
 Keys are clustered by cosine (Lloyd's iterations on unit keys, each centre the normalized sum of its unit keys),
 and each cluster is summarized by the mean of its raw keys (the centroid `centroid_scores` compares queries with,
-as the authors' code does). All heads of a context are clustered at once: assignments are matmuls chunked so that
-the score block stays under `max_block_bytes`, updates are `index_add_`, and nothing loops over heads or keys in
-Python (only over Lloyd iterations and k-means++ draws). Deterministic for a seed on the CPU; on CUDA, `index_add_`'s
-float atomics may reorder sums unless `torch.use_deterministic_algorithms(True)`.
+as the authors' code does). All heads of a context are clustered at once: on a GPU each assignment is one Triton
+launch that keeps every key's best centre in registers (`nearest_centres`, bf16 dot products), elsewhere matmuls
+chunked so that the score block stays under `max_block_bytes`; updates are `index_add_`, and nothing loops over heads
+or keys in Python (only over Lloyd iterations and k-means++ draws). Deterministic for a seed on the CPU; on CUDA,
+`index_add_`'s float atomics may reorder sums unless `torch.use_deterministic_algorithms(True)`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 MAX_BLOCK_BYTES = 256 << 20
+FUSED_ASSIGN = True  # on CUDA, assignments by `nearest_centres` (False: the chunked matmuls, as on the CPU)
+NEAREST_TILE = (128, 64, 8)  # nearest_centres on a GPU: keys and centres per tile, warps
 
 
 class KeyClusters(NamedTuple):
@@ -31,9 +36,67 @@ class KeyClusters(NamedTuple):
     iterations: int
 
 
+@triton.jit(do_not_specialize=["num_keys", "num_centres"])
+def _nearest_centre_kernel(units_ptr, centres_ptr, labels_ptr, num_keys, num_centres,
+                           stride_uh: tl.int64, stride_ut: tl.int64, stride_ch: tl.int64, stride_cn: tl.int64,
+                           stride_lh: tl.int64, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BF16: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_T), H): BLOCK_T keys of head h against every centre of h, BLOCK_C at a time, keeping
+    each key's best dot product and its first index; no score block leaves the registers."""
+    tile, head = tl.program_id(0), tl.program_id(1)
+    offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_ok, d_ok = offs_t < num_keys, offs_d < HEAD_DIM
+    units = tl.load(units_ptr + head * stride_uh + offs_t.to(tl.int64)[:, None] * stride_ut + offs_d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    if BF16:
+        units = units.to(tl.bfloat16)
+    best = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    best_index = tl.zeros([BLOCK_T], tl.int32)
+    for start in range(0, num_centres, BLOCK_C):
+        offs_c = start + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < num_centres
+        centres = tl.load(centres_ptr + head * stride_ch + offs_c.to(tl.int64)[:, None] * stride_cn + offs_d[None, :],
+                          mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        if BF16:
+            scores = tl.dot(units, tl.trans(centres.to(tl.bfloat16)))
+        else:
+            scores = tl.dot(units, tl.trans(centres), input_precision="ieee")
+        scores = tl.where(c_ok[None, :], scores, float("-inf"))
+        tile_best = tl.max(scores, 1)
+        tile_index = tl.argmax(scores, 1, tie_break_left=True).to(tl.int32) + start
+        better = tile_best > best  # ties keep the earlier tile's, lower, index
+        best_index = tl.where(better, tile_index, best_index)
+        best = tl.where(better, tile_best, best)
+    tl.store(labels_ptr + head * stride_lh + offs_t, best_index.to(tl.int64), mask=t_ok)
+
+
+def nearest_centres(units: torch.Tensor, centres: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+    """The most similar centre of each key by dot product (ties: the lower index), `[H, T]` int64, from units
+    `[H, T, D]` and centres `[H, C, D]` (any float dtype, unit last stride), one launch. `bf16`: dot products of
+    bf16-rounded inputs (the tensor cores' fast path; unit vectors' dot products then err by ~0.004, so near-ties
+    may go either way), else exact float32."""
+    H, T, D = units.shape
+    C = centres.shape[1]
+    # every program reads all of its head's centres: bf16 once here halves that traffic
+    units, centres = units.contiguous(), (centres.to(torch.bfloat16) if bf16 else centres).contiguous()
+    labels = torch.empty(H, T, dtype=torch.int64, device=units.device)
+    if T == 0:
+        return labels
+    block_t, block_c, warps = NEAREST_TILE if units.is_cuda else (16, 16, 4)
+    _nearest_centre_kernel[(triton.cdiv(T, block_t), H)](
+        units, centres, labels, T, C, units.stride(0), units.stride(1), centres.stride(0), centres.stride(1),
+        labels.stride(0), HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_T=block_t, BLOCK_C=block_c,
+        BF16=bf16, num_warps=warps)
+    return labels
+
+
 def _nearest_per_head(units: torch.Tensor, centres: torch.Tensor, max_block_bytes: int) -> torch.Tensor:
     """The most cosine-similar centre of each unit key (ties: the lower index), `[H, T]`, from units `[H, T, D]` and
-    unit centres `[H, C, D]`, in chunks of keys whose `[H, chunk, C]` float32 scores fit `max_block_bytes`."""
+    unit centres `[H, C, D]`: on CUDA by `nearest_centres`, else in chunks of keys whose `[H, chunk, C]` float32
+    scores fit `max_block_bytes`."""
+    if units.is_cuda and FUSED_ASSIGN:
+        return nearest_centres(units, centres)
     H, T, _ = units.shape
     chunk = max(1, max_block_bytes // (4 * H * max(1, centres.shape[1])))
     return torch.cat([torch.bmm(units[:, start:start + chunk], centres.transpose(1, 2)).argmax(-1)

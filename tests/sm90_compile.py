@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 NO_COMPILER = 77  # exit code: this Triton has no CUDA backend to compile with (the test skips)
 
 from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
+from vllm_duo.kernels.clustering import NEAREST_TILE, _nearest_centre_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
@@ -50,7 +51,8 @@ def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
                                 "rows_lse_ptr"),
                                "fp32"))
     types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
-    types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr"), "i64"))
+    types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr", "labels_ptr"), "i64"))
+    types.update(units_ptr="fp32", centres_ptr="bf16")  # clustering's float32 unit keys, its centres in bf16
     return {name: "*" + t for name, t in types.items()}
 
 
@@ -154,6 +156,10 @@ def cases():
                 yield f"octave bands {tag} tile {clusters}", _octave_bands_kernel, model, cache, octave, {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
                    dict(OUT_W=GATHER_SLOTS, SEARCH_STEPS=14, CONTEXTS=True), {})
+            block_t, block_c, warps = NEAREST_TILE
+            yield (f"nearest centres d={head_dim} bf16 dots", _nearest_centre_kernel, model, cache,
+                   dict(HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], BLOCK_T=block_t, BLOCK_C=block_c, BF16=True),
+                   dict(num_warps=warps))
 
 
 def main() -> int:

@@ -172,4 +172,44 @@ def test_cluster_bench_runs_tiny():
     spec.loader.exec_module(bench)
     rows = bench.bench(heads=2, head_dim=8, lengths=(64,), device=torch.device("cpu"), iters=3, repeats=1)
     assert {(r["keys"], r["levels"]) for r in rows} >= {(64, 1), (64, 2)}
-    assert all(r["seconds"] > 0 and r["clusters"] == 4 for r in rows)
+    assert all(r["seconds"] > 0 and r["clusters"] == 4 and r["assign"] == "matmul" for r in rows)
+
+
+@pytest.mark.parametrize("tokens, clusters", [(40, 37), (16, 5), (1, 1)])
+def test_nearest_centres_is_the_argmax_of_the_dot_products(tokens, clusters):
+    """The fused assignment kernel (exact float32) picks what the matmul's argmax picks, over several tiles of keys
+    and centres with ragged ends; ties go to the lower index, within a tile and across tiles. (Its bf16 path is the
+    GPU test's: Triton's interpreter gets bf16 dot products wrong.)"""
+    from vllm_duo.kernels.clustering import nearest_centres
+
+    units = F.normalize(random_keys(heads=3, tokens=tokens, dim=8), dim=-1)
+    centres = F.normalize(random_keys(heads=3, tokens=clusters, dim=8, seed=1), dim=-1)
+    if clusters > 20:
+        centres[:, 5] = centres[:, 3]  # the same tile as 3
+        centres[:, 20] = centres[:, 3]  # a later tile
+        units[:, 0] = centres[:, 3]
+    got = nearest_centres(units, centres, bf16=False)
+    assert torch.equal(got, torch.einsum("htd,hcd->htc", units, centres).argmax(-1))
+    if clusters > 20:
+        assert (got[:, 0] == 3).all()
+
+
+@pytest.mark.gpu
+def test_cluster_keys_on_the_gpu_assigns_by_the_fused_kernel():
+    """On CUDA, Lloyd's assignments go through the bf16 kernel: the clusters of separated keys are found as on the
+    CPU, and a key's centre is within bf16's error of its best."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from vllm_duo.kernels.clustering import nearest_centres
+
+    keys, truth = separated_keys(heads=4, clusters=8, per_cluster=64, dim=128, seed=5)
+    result = cluster_keys(keys.cuda(), 8, iters=30, init="k-means++", seed=1)
+    assert purity(result.labels.cpu(), truth, 8) > 0.99
+    units = F.normalize(torch.randn(4, 4096, 128, device="cuda"), dim=-1)
+    centres = F.normalize(torch.randn(4, 1000, 128, device="cuda"), dim=-1)
+    scores = torch.einsum("htd,hcd->htc", units, centres)
+    got = nearest_centres(units, centres)
+    assert torch.all(scores.gather(-1, got[..., None])[..., 0] >= scores.max(-1).values - 0.02)
+    exact = nearest_centres(units, centres, bf16=False)  # float32 sums in another order than the matmul's
+    assert torch.all(scores.gather(-1, exact[..., None])[..., 0] >= scores.max(-1).values - 1e-5)
+    assert (exact == scores.argmax(-1)).float().mean() > 0.999
