@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Preset, assert_close, assert_only,
-                          cuda_scales, decode_rows, lifted, lifted_table, make_case, written_caches)
+from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Preset, assert_caches_equal,
+                          assert_close, assert_only, cuda_scales, decode_rows, lifted, lifted_table, make_case,
+                          written_caches)
 
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
@@ -557,6 +558,8 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
             out.fill_(float("nan"))
             graph.replay()
             torch.testing.assert_close(out, eager, equal_nan=True)
+            # the decode step stores its K/V on the second stream: every byte as write_kv writes it
+            assert_caches_equal((cache, stream), written_caches(case, quant))
     else:
         queries, window_lse = retrieval_flash_attention(flash, case.query, cache, heads, case.qsl,
                                                         case.sl - context_ends, window_table, case.scale, out,

@@ -52,7 +52,8 @@ CPU_PASSKEY_REPEATS = (20, 40)
 CPU_PROMPT_S = {"dense": (1.25e-3, 2.5e-7), "duo": (1.6e-3, 1.4e-6)}
 CPU_ENGINE_START_S = 10.0
 ENGINE_LOG = "engines.log"  # vLLM's output, in the results folder
-_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc)?(?:-sq(\d{1,3})(?:k(\d{1,3}))?)?(?:-r(\d{1,6}))?$")
+_METHOD = re.compile(r"^(full|duo|zigzag|random|streaming)(\d{1,3})?(-fp8|-fp8calc)?"
+                     r"(?:-sq(\d{1,3})(?:k(\d{1,3}))?)?(?:-r(\d{1,6}))?$")
 # A squeezed method's engine (`duoXX-sqNN`): every prompt of the grid squeezed (the shortest are ~0.5k tokens), one
 # slot per running request.
 SQUEEZE_ENGINE = {"min_context_len": 256, "max_contexts": 64, "count_reads": True}
@@ -72,9 +73,8 @@ class Method:
     `duoXX` (see streaming_recent).
     Suffixes: `-fp8` an fp8 KV cache (scales 1.0), `-fp8calc` one with vLLM's calculated scales (KV_CACHE_ARGS);
     `-sqNN` (duo only) Squeezed Attention on the retrieval heads, reading NN% of each prompt's clustered keys at
-    decode (duo.squeeze, squeeze.py), `-sqNNkM` with M keys per centroid; `-rN` duo's recent window N instead of --recent. Each method is compared with
-    its `reference`: full attention
-    with the same KV cache when the eval runs it (full-fp8 for duo50-fp8; full for full-fp8), else `full`.
+    decode (duo.squeeze, squeeze.py), `-sqNNkM` with M keys per centroid; `-rN` duo's recent window N instead of
+    --recent. Each method is compared with its `reference`: full attention with the same KV cache when the eval runs it (full-fp8 for duo50-fp8; full for full-fp8), else `full`.
     """
 
     name: str
@@ -94,8 +94,8 @@ class Method:
             raise PatternError(f"method {name!r} is not full, duoXX, zigzagXX, randomXX or streamingXX (XX = sparsity "
                                "in %, e.g. duo50, streaming50), optionally with -fp8 or -fp8calc (fp8 KV cache), "
                                "-sqNN (duo only: the squeeze reading NN% of the clustered keys; -sqNNkM: M keys per "
-                               "centroid) and -rN (recent window), e.g. duo50-fp8, full-fp8, duo50-sq25, duo50-sq12k32, "
-                               "duo50-r512")
+                               "centroid) and -rN (recent window), e.g. duo50-fp8, full-fp8, duo50-sq25, "
+                               "duo50-sq12k32, duo50-r512")
         return cls(name, match[1], int(match[2] or 0) / 100, match[3] or "",
                    int(match[4]) / 100 if match[4] else None, int(match[6]) if match[6] else None,
                    int(match[5]) if match[5] else None)
