@@ -74,7 +74,8 @@ class Method:
     Suffixes: `-fp8` an fp8 KV cache (scales 1.0), `-fp8calc` one with vLLM's calculated scales (KV_CACHE_ARGS);
     `-sqNN` (duo only) Squeezed Attention on the retrieval heads, reading NN% of each prompt's clustered keys at
     decode (duo.squeeze, squeeze.py), `-sqNNkM` with M keys per centroid; `-rN` duo's recent window N instead of
-    --recent. Each method is compared with its `reference`: full attention with the same KV cache when the eval runs it (full-fp8 for duo50-fp8; full for full-fp8), else `full`.
+    --recent. Each method is compared with its `reference`: full attention with the same KV cache when the eval
+    runs it (full-fp8 for duo50-fp8; full for full-fp8), else `full`.
     """
 
     name: str
