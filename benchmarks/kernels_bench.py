@@ -980,7 +980,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
 
         def choose(scored, offsets, positions, k, banded=True):
             budget = budgets[k][:, :scored.scores.shape[1]]
-            keys_per_cluster = triton.cdiv(T, scored.scores.shape[2])
+            keys_per_cluster = round(T / scored.scores.shape[2])  # the store's: 16, or 32 in the sweep
             served = SqueezeSettings(budget=1 / k, keys_per_cluster=keys_per_cluster, max_context_len=T)
             if banded:
                 return select_banded(scored, offsets, positions, budget, served.max_selected())

@@ -54,21 +54,21 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             Triton sparse decode). At decode the window pass and then the streaming heads run beside the lookup on
             a second stream (`squeezed_decode`); a batch with prefills runs the window pass first.
     """
-    squeezed_step = squeezed is not None and max_query_len == 1  # stores its K/V beside the lookup
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
-                                                     quant, write=not squeezed_step)
+                                                     quant, write=False)
     write = functools.partial(write_kv, key, value, cache, heads, query_start_loc, seq_lens, block_table,
                               stream_cache, quant, checked=True)
     flash = vllm_seam.flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
     by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn
                                       or retrieval_seq_lens is not None)
+    squeezed_step = squeezed is not None and max_query_len == 1 and by_flash and heads.num_retrieval
+    if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
+        write()
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash)
     if not (by_flash and heads.num_retrieval):
-        if squeezed_step:
-            write()
         streaming()
         if squeezed is not None:
             squeezed(None)
