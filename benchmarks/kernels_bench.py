@@ -943,7 +943,10 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         columns = triton.cdiv(max_len, BLOCK)
         layouts, retrieval_tables = layouts_per_count(seq_lens, counts, torch.float8_e4m3fn, columns)
         splits = {R: decode_num_splits(batch, R, max_len, DEV) for R in layouts}
-        T = context - SINK
+        # as served, the squeezed rows' contexts end a tail of RECENT tokens before their seq_len, on a block boundary,
+        # and their clusters hold the context's keys past the sinks: [SINK, context_end)
+        context_end = context - RECENT
+        T = context_end - SINK
         C = triton.cdiv(T, KEYS_PER_CLUSTER)
 
         def clusters(R, labels, centroids, fp8=True, spread=True):
@@ -978,30 +981,28 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         budgets = {k: torch.full((batch, max(counts)), T // k, dtype=torch.int32, device=DEV)
                    for k in SQUEEZE_BUDGETS}
 
-        def choose(scored, offsets, positions, k, banded=True):
+        def choose(scored, offsets, positions, k, banded=True, keys_per_cluster=KEYS_PER_CLUSTER):
             budget = budgets[k][:, :scored.scores.shape[1]]
-            keys_per_cluster = round(T / scored.scores.shape[2])  # the store's: 16, or 32 in the sweep
             served = SqueezeSettings(budget=1 / k, keys_per_cluster=keys_per_cluster, max_context_len=T)
             if banded:
                 return select_banded(scored, offsets, positions, budget, served.max_selected())
             return select_positions(scored.scores, offsets, positions, budget, served.max_selected())
 
-        # as served, the squeezed rows' contexts end a tail of RECENT tokens before their seq_len, on a block boundary:
-        # FlashAttention's window pass reads the window from there (its page table shifted), the selected keys after it
-        ends = torch.full((batch,), context - RECENT, dtype=torch.int32, device=DEV)
+        # FlashAttention's window pass reads the tokens from the context's end (its page table shifted)
+        ends = torch.full((batch,), context_end, dtype=torch.int32, device=DEV)
         window_tables = {R: torch.empty_like(table) for R, table in retrieval_tables.items()}
         window_lens = sl - ends
         for R, table in retrieval_tables.items():
             window_pages(table, ends, BLOCK, window_tables[R])
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
-                 store=stores, served=False):
+                 store=stores, served=False, keys_per_cluster=KEYS_PER_CLUSTER):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
-            clusters; `served`: the squeeze's layer as the backend runs it (duo_attention_gpu: the lookup, then
-            FlashAttention over the selected rows and the merge, FlashAttention's window pass and the streaming
-            heads beside them)."""
+            clusters (of `keys_per_cluster` keys on average); `served`: the squeeze's layer as the backend runs it
+            (duo_attention_gpu: the lookup, then FlashAttention over the selected rows and the merge,
+            FlashAttention's window pass and the streaming heads beside them)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -1021,7 +1022,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                                                      radius_weight=SqueezeSettings().radius_weight)
                             if not select:
                                 return
-                            selected = choose(scores, offsets, positions, budget, banded)
+                            selected = choose(scores, offsets, positions, budget, banded, keys_per_cluster)
                         else:
                             selected = selections[R]
                         if attend and attend_rows is not None:
@@ -1073,8 +1074,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                       for R in layouts}
             timed(f"centroid scores only, {2 * KEYS_PER_CLUSTER} keys per cluster",
                   step(16, write=False, attend=False, select=False, store=coarse))
-            timed(f"squeeze 1/16 as served, {2 * KEYS_PER_CLUSTER} keys per cluster", step(16, served=True,
-                                                                                       store=coarse))
+            timed(f"squeeze 1/16 as served, {2 * KEYS_PER_CLUSTER} keys per cluster",
+                  step(16, served=True, store=coarse, keys_per_cluster=2 * KEYS_PER_CLUSTER))
             for parts in (16, 64):
                 with patch.object(gpu_attention, "row_splits", lambda entries, device, parts=parts: parts):
                     timed(f"squeeze 1/16 as served, row pass in {parts} splits", step(16, served=True))
