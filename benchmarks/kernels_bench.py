@@ -921,7 +921,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
-    from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
+    from vllm_duo.kernels.row_pages import run_pages
+    from vllm_duo.kernels.selection import band_runs, centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
     from vllm_duo.squeeze import to_fp8_centroids, window_pages
@@ -990,6 +991,14 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
 
         # FlashAttention's window pass reads the tokens from the context's end (its page table shifted)
         ends = torch.full((batch,), context_end, dtype=torch.int32, device=DEV)
+
+        def page_lists(scored, offsets, positions, R, k, keys_per_cluster=KEYS_PER_CLUSTER):
+            """FlashAttention's lists of the sinks and the keys `choose` would take, as served (run_pages)."""
+            max_selected = SqueezeSettings(budget=1 / k, keys_per_cluster=keys_per_cluster,
+                                           max_context_len=T).max_selected()
+            runs = band_runs(scored, offsets, budgets[k][:, :R], max_selected)
+            d = layouts[R]
+            return run_pages(runs, positions, None, ends, d.table, d.heads, d.cache, max_selected)
         window_tables = {R: torch.empty_like(table) for R, table in retrieval_tables.items()}
         window_lens = sl - ends
         for R, table in retrieval_tables.items():
@@ -1016,6 +1025,14 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                     centroids, sizes, offsets, positions, scales, radii = store[R]
 
                     def retrieval(attend_rows=None):
+                        if attend_rows is not None:  # served: FlashAttention over the page lists
+                            lists = selections[R] if not lookup else page_lists(
+                                centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE, centroid_scales=scales,
+                                                radii=radii, radius_weight=SqueezeSettings().radius_weight),
+                                offsets, positions, R, budget, keys_per_cluster)
+                            if attend:
+                                attend_rows(*lists, ends)
+                            return
                         if lookup:
                             scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE,
                                                      centroid_scales=scales, radii=radii,
@@ -1025,9 +1042,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                             selected = choose(scores, offsets, positions, budget, banded, keys_per_cluster)
                         else:
                             selected = selections[R]
-                        if attend and attend_rows is not None:
-                            attend_rows(*selected, ends)
-                        elif attend:
+                        if attend:
                             sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
                                                     quant=quant, checked=True)
                     if served:
@@ -1046,14 +1061,16 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
 
         timed = functools.partial(timed_graph, res, rows, case)
 
-        def selections_at(k):
-            """Each layer width's selection at 1/k, made beforehand (for the sparse decode alone)."""
+        def selections_at(k, served=False):
+            """Each layer width's selection at 1/k, made beforehand (for the sparse decode alone), or `served` its
+            page lists."""
             chosen = {}
             for R, (centroids, sizes, offsets, positions, scales, radii) in stores.items():
                 scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
                                          centroid_scales=scales, radii=radii,
                                          radius_weight=SqueezeSettings().radius_weight)
-                chosen[R] = choose(scores, offsets, positions, k)
+                chosen[R] = (page_lists(scores, offsets, positions, R, k) if served
+                             else choose(scores, offsets, positions, k))
             return chosen
 
         if sweep:
@@ -1099,7 +1116,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         timed("squeeze 1/16, bf16 centroids", step(16, store=bf16_stores))
         timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
         timed("squeeze 1/16 as served without the lookup (selections made before)",
-              step(16, served=True, lookup=False, selections=selections_at(16)))
+              step(16, served=True, lookup=False, selections=selections_at(16, served=True)))
         for part, fn in (("lookup", step(16, write=False, attend=False)), ("served", step(16, served=True))):
             res[f"{part}_kernels"] = profile = kernel_profile(capture(fn), fn, top=20)
             print_kernels(f"{case} {part} at 1/16, kernels", profile)

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The squeeze's sparse decode as two FlashAttention passes (gpu_attention.py runs them): the window pass over each
 squeezed row's retrieval pages from its context's end on, then a pass over pages of one cache row listing its sinks
-and selected keys, the two merged by their log-sum-exp. This module builds the second pass's page lists and merges;
-it imports no FlashAttention (the merge takes any pass's output and log-sum-exp).
+and selected keys, the two merged by their log-sum-exp. This module builds the second pass's page lists, straight
+from the selection's runs of clusters (`selection.band_runs`: no positions written in between), and merges; it imports
+no FlashAttention (the merge takes any pass's output and log-sum-exp).
 
 A duo cache `[num_blocks, 2, block_size, P, head_dim]` seen as rows of `head_dim` elements (`row_views`; its blocks
 `B` rows apart, 2 x block_size x P when they are packed): the K row of retrieval head r at position p is
@@ -28,27 +29,34 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.reference import LayerHeads
+from vllm_duo.kernels.selection import BandRuns, _context_of, _run_positions
 
 PAGE_SLOTS = 256  # list entries per program
 
 
-@triton.jit(do_not_specialize=["num_retrieval", "stride", "sink", "max_selected", "list_len", "block_rows",
-                               "token_rows"])
-def _row_pages_kernel(selected_ptr, num_selected_ptr, context_ends_ptr, block_table_ptr, pages_ptr, lens_ptr,
-                      cu_ptr, num_retrieval, stride, sink, max_selected, list_len, block_rows, token_rows,
-                      stride_sr: tl.int64, stride_sh: tl.int64, stride_nr: tl.int64, stride_nh: tl.int64,
-                      stride_table: tl.int64, stride_pe: tl.int64, BLOCK_SIZE: tl.constexpr, SLOTS: tl.constexpr):
-    """Grid (num_reqs, R, cdiv(list_len, SLOTS)): SLOTS entries of entry (req, head)'s page list; the first program
-    of an entry writes its length (0 at a row without context) and its query start."""
+@triton.jit(do_not_specialize=["num_clusters", "num_retrieval", "stride", "sink", "max_selected", "list_len",
+                               "block_rows", "token_rows"])
+def _run_pages_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, ends_ptr, counts_ptr,
+                      context_ends_ptr, block_table_ptr, pages_ptr, lens_ptr, cu_ptr, num_clusters, num_retrieval,
+                      stride, sink, max_selected, list_len, block_rows, token_rows,
+                      stride_ox: tl.int64, stride_oh: tl.int64, stride_px: tl.int64, stride_ph: tl.int64,
+                      stride_cr: tl.int64, stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
+                      stride_es: tl.int64, stride_table: tl.int64, stride_pe: tl.int64, BLOCK_SIZE: tl.constexpr,
+                      SLOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, cdiv(list_len, SLOTS)): SLOTS entries of entry (req, head)'s page list, its sinks then its
+    selected keys (`_run_positions` finds them in the runs), as cache row ids; the first program of an entry writes
+    its length (0 at a row without context) and its query start."""
     req, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = req * num_retrieval + head
     squeezed = tl.load(context_ends_ptr + req) > 0
-    count = tl.minimum(tl.load(num_selected_ptr + req * stride_nr + head * stride_nh), max_selected)
+    count = tl.minimum(tl.load(counts_ptr + req * stride_cr + head * stride_ch), max_selected)
     length = tl.where(squeezed, sink + count, 0)
     index = chunk * SLOTS + tl.arange(0, SLOTS)
     live = index < length
-    chosen = tl.load(selected_ptr + req * stride_sr + head * stride_sh + (index - sink), mask=live & (index >= sink),
-                     other=0)
+    context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the length is 0
+    chosen = _run_positions(index - sink, live & (index >= sink), req, head, context, offsets_ptr, positions_ptr,
+                            above_ptr, ends_ptr, num_clusters, stride_ox, stride_oh, stride_px, stride_ph, stride_cr,
+                            stride_ch, stride_er, stride_eh, stride_es, SEARCH_STEPS)
     pos = tl.where(index < sink, index, chosen)
     block = tl.load(block_table_ptr + req * stride_table + pos // BLOCK_SIZE * stride, mask=live, other=0)
     row = block.to(tl.int64) * block_rows + (pos % BLOCK_SIZE) * token_rows + head
@@ -60,17 +68,19 @@ def _row_pages_kernel(selected_ptr, num_selected_ptr, context_ends_ptr, block_ta
             tl.store(cu_ptr + entry + 1, entry + 1)
 
 
-def row_pages(selected: torch.Tensor, num_selected: torch.Tensor, context_ends: torch.Tensor,
-              block_table: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
-              sink: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Page lists of one cache row for the second pass: one entry per (request, retrieval head), its sinks then its
-    selected positions.
+def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torch.Tensor | None,
+              context_ends: torch.Tensor, block_table: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
+              max_selected: int, sink: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page lists of one cache row for the second pass, one launch: one entry per (request, retrieval head), its
+    sinks then the positions `select_banded` would gather from `runs` (the same keys in the same order).
 
     Args:
-        selected: `[num_reqs, R, max_selected]` int32 positions, `num_selected` `[num_reqs, R]` int32 (selection.py).
+        runs: `selection.band_runs`' result for `[num_reqs, R]` rows, over the clusters of `cluster_positions`
+            `[num_contexts, R, T]` int32 (the CSR positions) and `context_ids` `[num_reqs]` int32 (None: row i).
         context_ends: `[num_reqs]` int32: 0 at rows that read no clustered context (their lists are empty).
         block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
         cache: the duo cache `row_views` sees (its shape and strides set the row ids).
+        max_selected: the selection's width (`band_runs`' counts are at most this).
         sink: default `heads.sink`.
 
     Returns:
@@ -79,19 +89,22 @@ def row_pages(selected: torch.Tensor, num_selected: torch.Tensor, context_ends: 
         queries).
     """
     sink = heads.sink if sink is None else sink
-    num_reqs, R, max_selected = selected.shape
+    (num_reqs, R), C = runs.counts.shape, runs.ends.shape[-1]
     list_len = sink + max_selected
-    device = selected.device
+    device = runs.counts.device
     pages = torch.empty(num_reqs * R, list_len, dtype=torch.int32, device=device)
     lens = torch.empty(num_reqs * R, dtype=torch.int32, device=device)
     starts = torch.empty(num_reqs * R + 1, dtype=torch.int32, device=device)
     if num_reqs * R == 0:
         return pages, lens, starts.zero_()
     slots = PAGE_SLOTS if device.type == "cuda" else 16
-    _row_pages_kernel[(num_reqs, R, triton.cdiv(list_len, slots))](
-        selected, num_selected, context_ends, block_table, pages, lens, starts, R, heads.stride, sink, max_selected,
-        list_len, cache.stride(0) // cache.shape[-1], cache.stride(2) // cache.shape[-1], *selected.stride()[:2],
-        *num_selected.stride(), block_table.stride(0), pages.stride(0), BLOCK_SIZE=cache.shape[2], SLOTS=slots)
+    contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
+    _run_pages_kernel[(num_reqs, R, triton.cdiv(list_len, slots))](
+        runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, context_ends, block_table,
+        pages, lens, starts, C, R, heads.stride, sink, max_selected, list_len, cache.stride(0) // cache.shape[-1],
+        cache.stride(2) // cache.shape[-1], *runs.offsets.stride()[:2], *cluster_positions.stride()[:2],
+        *runs.counts.stride(), *runs.ends.stride()[:3], block_table.stride(0), pages.stride(0),
+        BLOCK_SIZE=cache.shape[2], SLOTS=slots, SEARCH_STEPS=max(C, 1).bit_length(), CONTEXTS=context_ids is not None)
     return pages, lens, starts
 
 

@@ -532,22 +532,14 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
         base_cut += tl.sum(in_cut, 0)
 
 
-@triton.jit(do_not_specialize=["num_clusters", "max_selected"])
-def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, ends_ptr, counts_ptr, selected_ptr,
-                        num_clusters, max_selected,
-                        stride_ox: tl.int64, stride_oh: tl.int64, stride_px: tl.int64, stride_ph: tl.int64,
-                        stride_cr: tl.int64, stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
-                        stride_es: tl.int64, stride_qr: tl.int64, stride_qh: tl.int64,
-                        OUT_W: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, cdiv(max_selected, OUT_W)): OUT_W output slots, each finding its cluster by a binary search
-    of the run's ends (the first cluster whose keys end after the slot) and copying that key's position; slots past
-    the count get 0. Every slot costs the same whatever the clusters' sizes and scores."""
-    req, head = tl.program_id(0), tl.program_id(1)
-    slot = tl.program_id(2) * OUT_W + tl.arange(0, OUT_W)
-    row = req * stride_cr + head * stride_ch
-    context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the count is 0
-    live = slot < tl.load(counts_ptr + row)
-    above = tl.load(above_ptr + row)
+@triton.jit
+def _run_positions(slot, live, req, head, context, offsets_ptr, positions_ptr, above_ptr, ends_ptr, num_clusters,
+                   stride_ox, stride_oh, stride_px, stride_ph, stride_cr, stride_ch, stride_er, stride_eh, stride_es,
+                   SEARCH_STEPS: tl.constexpr):
+    """The positions of a row's selected slots `slot` (where `live`; 0 elsewhere), `band_runs`' order: each slot
+    finds its cluster by a binary search of its run's ends (the first cluster whose keys end after the slot) and
+    reads that key's position. Every slot costs the same whatever the clusters' sizes and scores."""
+    above = tl.load(above_ptr + req * stride_cr + head * stride_ch)
     in_cut = slot >= above
     target = tl.where(in_cut, slot - above, slot)  # the slot's place in its run
     ends_row = ends_ptr + req * stride_er + head * stride_eh + in_cut.to(tl.int64) * stride_es
@@ -566,8 +558,26 @@ def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, 
     end = tl.load(ends_row + low, mask=live, other=0)
     position = tl.load(positions_ptr + context * stride_px + head * stride_ph + first + size - (end - target),
                        mask=live, other=0)
-    tl.store(selected_ptr + req * stride_qr + head * stride_qh + slot, tl.where(live, position, 0),
-             mask=slot < max_selected)
+    return tl.where(live, position, 0)
+
+
+@triton.jit(do_not_specialize=["num_clusters", "max_selected"])
+def _band_gather_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, ends_ptr, counts_ptr, selected_ptr,
+                        num_clusters, max_selected,
+                        stride_ox: tl.int64, stride_oh: tl.int64, stride_px: tl.int64, stride_ph: tl.int64,
+                        stride_cr: tl.int64, stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
+                        stride_es: tl.int64, stride_qr: tl.int64, stride_qh: tl.int64,
+                        OUT_W: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, cdiv(max_selected, OUT_W)): OUT_W output slots' positions (`_run_positions`); slots past
+    the count get 0."""
+    req, head = tl.program_id(0), tl.program_id(1)
+    slot = tl.program_id(2) * OUT_W + tl.arange(0, OUT_W)
+    context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the count is 0
+    live = slot < tl.load(counts_ptr + req * stride_cr + head * stride_ch)
+    position = _run_positions(slot, live, req, head, context, offsets_ptr, positions_ptr, above_ptr, ends_ptr,
+                              num_clusters, stride_ox, stride_oh, stride_px, stride_ph, stride_cr, stride_ch,
+                              stride_er, stride_eh, stride_es, SEARCH_STEPS)
+    tl.store(selected_ptr + req * stride_qr + head * stride_qh + slot, position, mask=slot < max_selected)
 
 
 def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
@@ -585,27 +595,62 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         budget 8: band 0 holds 5 keys, bands 0 and 1 11: cut 1, need 3: cluster 1, then cluster 2 (0 before it
         < 3), cluster 3 (2 < 3); positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
 
-    Three launches, neither zeroing nor atomics: per tile of clusters, its keys per band of the row's cut octave
-    (the best octave to the budget, from every tile's keys per octave that `centroid_scores` counted); per tile, the
-    cut band from every tile's of those, and the running ends of the two runs; then the positions, each output slot
-    finding its
-    cluster by a binary search of those ends.
+    Three launches, neither zeroing nor atomics: the two of `band_runs`, then the positions, each output slot finding
+    its cluster by a binary search of the runs' ends (`row_pages.run_pages` makes FlashAttention's page lists from
+    the runs instead, in one launch).
 
     Args and result as `select_positions`', but `scored` is `centroid_scores`' result (its `sizes` the offsets'
     differences), `budget` `[num_reqs, R]` integers, and a negative context id selects nothing; no threshold.
     """
+    return gather_positions(band_runs(scored, cluster_offsets, budget, max_selected, context_ids), cluster_positions,
+                            max_selected, context_ids)
+
+
+def gather_positions(runs: BandRuns, cluster_positions: torch.Tensor, max_selected: int,
+                     context_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_banded`'s positions from its runs, one launch: selected `[num_reqs, R, max_selected]` int32 (0 past
+    the count) and the counts `[num_reqs, R]` int32."""
+    (num_reqs, R), C = runs.counts.shape, runs.ends.shape[-1]
+    selected = torch.empty(num_reqs, R, max_selected, dtype=torch.int32, device=runs.counts.device)
+    if num_reqs == 0 or R == 0 or C == 0:
+        return selected.zero_(), runs.counts
+    out_w = GATHER_SLOTS if selected.is_cuda else 16
+    contexts = runs.ends if context_ids is None else context_ids  # without context ids the kernel reads none
+    _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
+        runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, selected, C, max_selected,
+        *runs.offsets.stride()[:2], *cluster_positions.stride()[:2], *runs.counts.stride(), *runs.ends.stride()[:3],
+        *selected.stride()[:2], OUT_W=out_w, SEARCH_STEPS=C.bit_length(), CONTEXTS=context_ids is not None)
+    return selected, runs.counts
+
+
+class BandRuns(NamedTuple):
+    """`band_runs`' result: each row's selected keys as two runs over its clusters in cluster order, those above
+    the cut band, then the cut band's taken ones; a slot s < `above` is the s-th key of the first run, a later one
+    the (s - above)-th of the second (`_run_positions` finds them)."""
+
+    above: torch.Tensor  # [num_reqs, R] int32: keys above each row's cut band
+    ends: torch.Tensor  # [num_reqs, R, 2, C] int32: inclusive running sums of each run's cluster sizes
+    counts: torch.Tensor  # [num_reqs, R] int32: keys selected (at most max_selected)
+    offsets: torch.Tensor  # the CSR offsets as int32, as the kernels read them
+
+
+def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torch.Tensor, max_selected: int,
+              context_ids: torch.Tensor | None = None) -> BandRuns:
+    """What `select_banded` takes of each row, as the runs of its clusters: two launches, per tile of clusters its
+    keys per band of the row's cut octave (the best octave to the budget, from every tile's keys per octave that
+    `centroid_scores` counted); per tile, the cut band from every tile's of those, and the running ends of the two
+    runs. Arguments as `select_banded`'s."""
     scores = scored.scores
     num_reqs, R, C = scores.shape
     device = scores.device
-    selected = torch.empty(num_reqs, R, max_selected, dtype=torch.int32, device=device)
     counts = torch.empty(num_reqs, R, dtype=torch.int32, device=device)  # the ends kernel writes every row's
-    if num_reqs == 0 or R == 0 or C == 0:
-        return selected.zero_(), counts.zero_()
-    tiles = scored.band_keys.shape[2]
-    above = torch.empty_like(counts)  # keys above each row's cut band
+    above = torch.empty_like(counts)
     ends = torch.empty(num_reqs, R, 2, C, dtype=torch.int32, device=device)
-    contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
     offsets = cluster_offsets.to(torch.int32)
+    if num_reqs == 0 or R == 0 or C == 0:
+        return BandRuns(above.zero_(), ends, counts.zero_(), offsets)
+    tiles = scored.band_keys.shape[2]
+    contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
     fine_keys = torch.empty(num_reqs, R, tiles, BAND_OCTAVE, dtype=torch.int32, device=device)
     tile, block_t = scored.tile_clusters, triton.next_power_of_2(tiles)
     _octave_bands_kernel[(num_reqs, R, tiles)](
@@ -620,12 +665,7 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         *fine_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
         TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=block_t, BANDS=SCORE_BANDS,
         OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
-    out_w = GATHER_SLOTS if device.type == "cuda" else 16
-    _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
-        offsets, cluster_positions, contexts, above, ends, counts, selected, C, max_selected,
-        *offsets.stride()[:2], *cluster_positions.stride()[:2], *counts.stride(), *ends.stride()[:3],
-        *selected.stride()[:2], OUT_W=out_w, SEARCH_STEPS=C.bit_length(), CONTEXTS=context_ids is not None)
-    return selected, counts
+    return BandRuns(above, ends, counts, offsets)
 
 
 def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sink: int, recent: int,

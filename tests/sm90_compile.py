@@ -31,7 +31,7 @@ from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND
                                          OCTAVE_SCAN_CLUSTERS, SCORE_BANDS, _band_ends_kernel, _band_gather_kernel,
                                          _centroid_logits_kernel, _centroid_scores_kernel, _octave_bands_kernel,
                                          _page_scores_kernel, _score_tiles)
-from vllm_duo.kernels.row_pages import PAGE_SLOTS, _merge_rows_kernel, _row_pages_kernel
+from vllm_duo.kernels.row_pages import PAGE_SLOTS, _merge_rows_kernel, _run_pages_kernel
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -134,7 +134,8 @@ def cases():
             constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], MAX_SPLITS=64,
                              MIN_SPLIT=min_split, BLOCK_S=64, CONTEXT_ENDS=True)
             yield f"sparse merge {tag} splits 64", _sparse_merge_kernel, model, cache, constants, {}
-            yield f"row pages {tag}", _row_pages_kernel, model, cache, dict(BLOCK_SIZE=16, SLOTS=PAGE_SLOTS), {}
+            yield (f"run pages {tag}", _run_pages_kernel, model, cache,
+                   dict(BLOCK_SIZE=16, SLOTS=PAGE_SLOTS, SEARCH_STEPS=14, CONTEXTS=True), {})
             yield (f"merge rows {tag}", _merge_rows_kernel, model, cache,
                    dict(G=G, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"]), dict(num_warps=1))
         tile = _score_tiles(CUDA)

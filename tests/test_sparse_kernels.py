@@ -15,8 +15,9 @@ from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
-from vllm_duo.kernels.selection import (centroid_scores, page_scores, select_banded, select_pages,
-                                         select_positions)
+from vllm_duo.kernels.row_pages import row_views, run_pages
+from vllm_duo.kernels.selection import (BandRuns, band_runs, centroid_scores, page_scores, select_banded,
+                                         select_pages, select_positions)
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
 # decode batches: GQA 3 with contexts within the sinks and window, MHA with a one-token context, graph padding
@@ -382,6 +383,16 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     assert (got[1][~read] == 0).all()
     if spread == "far":
         assert (scored.scores[..., 2::4] < scored.scores.amax(-1, keepdim=True) / 2 ** 40).all()
+    # FlashAttention's page lists made from the same runs (one launch): each row's sinks, then the same positions
+    sink, block_size = 3, 16
+    cache = torch.randn(40, 2, block_size, R, 8)
+    table = torch.randint(0, 40, (num_reqs, 16), dtype=torch.int32)
+    ends = torch.tensor([48, 0, 32, 64], dtype=torch.int32)  # request 1 decodes without a context: no list
+    runs = band_runs(scored, offsets, budget, max_selected, contexts)
+    pages = run_pages(runs, positions, contexts, ends, table, LayerHeads.build(list(range(R)), R, R, 1, sink, 4),
+                      cache, max_selected)
+    assert_lists_read(pages, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
+                                             if ends[req] else [] for head in range(R)] for req in range(num_reqs)])
 
 
 def summarized(case: Case) -> torch.Tensor:
@@ -514,6 +525,14 @@ class FlashPasses(NamedTuple):
     stream: torch.Tensor | None
 
 
+def one_cluster_runs(selected: torch.Tensor, counts: torch.Tensor) -> BandRuns:
+    """Runs that select `selected`'s first `counts` positions of each row `[num_reqs, R]`, in order: each row its own
+    context (no context ids) of one cluster, `selected` itself, wholly above the cut."""
+    zeros = torch.zeros_like(counts)
+    return BandRuns(counts, torch.stack([counts, zeros], -1)[..., None].contiguous(), counts,
+                    torch.stack([zeros, counts], -1).contiguous())
+
+
 def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPasses:
     """The squeezed decode as gpu_attention.py serves it with FlashAttention (`flash`): the window pass over each
     squeezed row's pages from its block-aligned context end on (the first decoding row reads no context), then the
@@ -536,6 +555,8 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
              for _ in range(heads.num_retrieval)] for e in ends]
     selected, counts = (x.to(case.device) for x in selection(case, rows))
     context_ends = torch.tensor(ends, dtype=torch.int32, device=case.device)
+    lists = run_pages(one_cluster_runs(selected, counts), selected, None, context_ends, case.block_table, heads, cache,
+                      selected.shape[-1])
     retrieval_table = case.block_table[:, ::heads.stride].contiguous()
     window_table = torch.zeros_like(retrieval_table)
     window_pages(retrieval_table, context_ends, p.block_size, window_table)
@@ -548,7 +569,7 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
             duo_attention_gpu(case.query, case.key, case.value, cache, heads, qsl, sl, case.block_table, case.scale,
                               out, max_query_len, max(case.seq_lens), stream_cache=stream, quant=quant,
                               retrieval_table=window_table, retrieval_seq_lens=sl - context_ends,
-                              squeezed=lambda attend: attend(selected, counts, context_ends))
+                              squeezed=lambda attend: attend(*lists, context_ends))
         step()  # compiles, and runs a batch with prefills or decodes eagerly
         if max_query_len == 1:
             eager = out.clone()
@@ -564,9 +585,8 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
         queries, window_lse = retrieval_flash_attention(flash, case.query, cache, heads, case.qsl,
                                                         case.sl - context_ends, window_table, case.scale, out,
                                                         max_query_len, max(case.seq_lens), quant, with_lse=True)
-        selected_rows_attention(flash, queries, lambda: window_lse, selected, counts, context_ends, cache=cache,
-                                heads=heads, query_start_loc=case.qsl, block_table=case.block_table,
-                                scale=case.scale, output=out, quant=quant)
+        selected_rows_attention(flash, queries, lambda: window_lse, *lists, context_ends, cache=cache, heads=heads,
+                                query_start_loc=case.qsl, scale=case.scale, output=out, quant=quant)
     expected = sparse_reference(case, cache, selected, counts, ends)
     return FlashPasses(out, expected, [starts[i] for i, e in enumerate(ends) if e > 0],
                        [starts[i] for i in decoding if ends[i] == 0], cache, stream)
@@ -656,26 +676,36 @@ def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, monkeypatch):
         torch.testing.assert_close(step.out[rows][:, q].float().cpu(), expected[rows][:, q].float().cpu(), **tol)
 
 
-def test_row_pages_index_the_cache_rows_through_its_strides():
+def assert_lists_read(lists, cache: torch.Tensor, table: torch.Tensor, listed: list[list[list[int]]],
+                      stride: int = 1) -> None:
+    """`run_pages`' lists (pages, lens, starts) name, through `row_views`, the K and V of `listed[req][head]`'s
+    positions of retrieval head `head`, in order (`table` has `stride` columns per token block)."""
+    pages, lens, starts = lists
+    k_rows, v_rows = row_views(cache)
+    entries = [(req, head) for req in range(len(listed)) for head in range(len(listed[req]))]
+    assert lens.tolist() == [len(listed[req][head]) for req, head in entries]
+    assert starts.tolist() == list(range(len(entries) + 1))
+    block_size = cache.shape[2]
+    for entry, (req, head) in enumerate(entries):
+        positions = torch.tensor(listed[req][head], dtype=torch.long)
+        block = table[req, positions // block_size * stride].long()
+        ids = pages[entry, :lens[entry]].long()
+        assert torch.equal(k_rows[ids, 0, 0], cache[block, 0, positions % block_size, head])
+        assert torch.equal(v_rows[ids, 0, 0], cache[block, 1, positions % block_size, head])
+
+
+def test_run_pages_index_the_cache_rows_through_its_strides():
     """Row ids and views where the cache's blocks are further apart than their K/V (a layer's view into a shared
     buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection."""
-    from vllm_duo.kernels.row_pages import row_pages, row_views
-
     heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, stride 2 (a streaming page group per block), sink 3
     buffer = torch.randn(7, 3, 16, 2, 32)
     cache = buffer[:, :2]  # blocks 3 x 16 x 2 rows apart, K/V 16 x 2
     table = torch.randperm(14, dtype=torch.int32)[None, :].reshape(2, 7) % 7
     selected = torch.tensor([[[40, 17, 5], [9, 0, 0]], [[50, 3, 3], [60, 61, 20]]], dtype=torch.int32)
     counts = torch.tensor([[3, 1], [2, 3]], dtype=torch.int32)
-    pages, lens, starts = row_pages(selected, counts, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache)
-    k_rows, v_rows = row_views(cache)
-    assert lens.tolist() == [6, 4, 5, 6] and starts.tolist() == [0, 1, 2, 3, 4]
-    for entry in range(4):
-        req, head = divmod(entry, 2)
-        positions = [0, 1, 2] + selected[req, head, :counts[req, head]].tolist()
-        block = table[req, [p // 16 * 2 for p in positions]].long()
-        ids = pages[entry, :lens[entry]].long()
-        assert torch.equal(k_rows[ids, 0, 0], cache[block, 0, torch.tensor(positions) % 16, head])
-        assert torch.equal(v_rows[ids, 0, 0], cache[block, 1, torch.tensor(positions) % 16, head])
-    _, lens, _ = row_pages(selected, counts, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache)
-    assert lens.tolist() == [0, 0, 5, 6]  # a row without a context lists nothing
+    runs = one_cluster_runs(selected, counts)
+    listed = [[[0, 1, 2] + selected[req, head, :counts[req, head]].tolist() for head in range(2)] for req in range(2)]
+    assert_lists_read(run_pages(runs, selected, None, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache,
+                                3), cache, table, listed, stride=2)
+    lists = run_pages(runs, selected, None, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache, 3)
+    assert_lists_read(lists, cache, table, [[[], []], listed[1]], stride=2)  # a row without a context lists nothing

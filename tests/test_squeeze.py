@@ -14,6 +14,7 @@ from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.reference import read_retrieval
+from vllm_duo.kernels.selection import gather_positions
 from vllm_duo.squeeze import FP8_CENTROIDS, ClusteredContexts, SqueezeRows, SqueezeSettings, centroid_dtype
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
@@ -35,9 +36,16 @@ def built(case, cache, settings: SqueezeSettings, layer: int = 0,
     return contexts
 
 
+def select(contexts: ClusteredContexts, query, heads, query_start_loc, context_ids, budget, scale,
+           max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's selection as decode makes it (`ClusteredContexts.runs`), as positions and counts."""
+    runs = contexts.runs(0, query, heads, query_start_loc, context_ids, budget, scale, max_selected)
+    return gather_positions(runs, contexts.positions[0], max_selected, context_ids)
+
+
 def select_reference(contexts: ClusteredContexts, layer: int, case, slots: list[int], budget: list[int],
                      max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ClusteredContexts.select` by the kernels' PyTorch references, request by request."""
+    """`select` by the kernels' PyTorch references, request by request."""
     scores = ref.centroid_scores(case.query, contexts.centroids[layer], contexts.sizes[layer], case.heads,
                                  case.query_start_loc, case.scale, slots, contexts.scales_of(layer),
                                  contexts.radii[layer], contexts.settings.radius_weight)
@@ -81,7 +89,7 @@ def test_select_matches_the_references(budget, centroid_dtype):
     keys = contexts.budget_keys(slots)
     width = contexts.settings.max_context_len
     ids = torch.tensor(slots, dtype=torch.int32)
-    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale, width)
+    selected, counts = select(contexts, case.query, case.heads, case.qsl, ids, keys, case.scale, width)
     expected = select_reference(contexts, 0, case, slots, keys.tolist(), width)
     assert torch.equal(counts, expected[1])
     for i in range(len(slots)):
@@ -119,7 +127,7 @@ def test_budget_of_every_key_equals_duo_decode():
     contexts = built(case, cache, settings_for(case, budget=1.0))
     slots = list(range(len(case.seq_lens)))
     ids = torch.tensor(slots, dtype=torch.int32)
-    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, contexts.budget_keys(slots),
+    selected, counts = select(contexts, case.query, case.heads, case.qsl, ids, contexts.budget_keys(slots),
                                        case.scale, contexts.settings.max_context_len)
     full = duo_decode(case, cache, stream)
     assert_retrieval_rows(run_sparse(case, cache, selected, counts), full, case)
@@ -140,7 +148,7 @@ def test_the_served_layer_runs_the_squeeze_after_its_attention():
                                  case.block_table, case.scale, out, rows, case.quant)
     duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
                       case.scale, out, 1, max(case.seq_lens), stream_cache=stream, quant=case.quant, squeezed=squeezed)
-    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale,
+    selected, counts = select(contexts, case.query, case.heads, case.qsl, ids, keys, case.scale,
                                        contexts.settings.max_selected())
     sparse = run_sparse(case, cache, selected, counts, context_ends=ends.tolist())
     full = duo_decode(case, cache, stream)
@@ -159,7 +167,7 @@ def test_tokens_generated_past_the_window_are_read():
     for i, seq_len in enumerate(case.seq_lens):
         contexts.build(0, i, cache, case.heads, case.block_table[i], seq_len - 41)
     slots = [0, 1]
-    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, torch.tensor(slots, dtype=torch.int32),
+    selected, counts = select(contexts, case.query, case.heads, case.qsl, torch.tensor(slots, dtype=torch.int32),
                                        contexts.budget_keys(slots), case.scale, contexts.settings.max_context_len)
     full = duo_decode(case, cache, stream)
     out = run_sparse(case, cache, selected, counts, context_ends=contexts.context_ends(slots).tolist())
@@ -176,7 +184,7 @@ def test_a_small_budget_reads_fewer_keys_and_stays_close():
     contexts = built(case, cache, settings_for(case, budget=0.25))
     ids = torch.tensor([0, 1], dtype=torch.int32)
     keys = contexts.budget_keys([0, 1])
-    selected, counts = contexts.select(0, case.query, case.heads, case.qsl, ids, keys, case.scale,
+    selected, counts = select(contexts, case.query, case.heads, case.qsl, ids, keys, case.scale,
                                        contexts.settings.max_context_len)
     clustered = torch.tensor([contexts.clustered(0), contexts.clustered(1)])[:, None]
     assert (counts >= keys[:, None]).all() and (counts < 0.25 * clustered + 64).all()

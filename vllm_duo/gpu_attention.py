@@ -24,7 +24,7 @@ from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
 from vllm_duo.kernels.decode import _sm_count
 from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
-from vllm_duo.kernels.row_pages import merge_rows, row_pages, row_views
+from vllm_duo.kernels.row_pages import merge_rows, row_views
 
 
 def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -82,8 +82,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
         schedules=flash_schedules if max_query_len > 1 else None)
     rows_part = functools.partial(selected_rows_attention, flash, cache=cache, heads=heads,
-                                  query_start_loc=query_start_loc, block_table=block_table, scale=scale,
-                                  output=output, quant=quant)
+                                  query_start_loc=query_start_loc, scale=scale, output=output, quant=quant)
     if squeezed_step:
         squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant), write, flash_part, rows_part,
                         streaming if heads.num_streaming else None, squeezed, query.device)
@@ -106,7 +105,7 @@ def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[]
     (`kernels_bench.py --squeeze-decode`). The current stream reads no key of this step: its selected keys and
     sinks lie in the context, which ends before the window.
 
-        current: logits, scores, bands, ends, gather, row pages | wait queries | row pass | wait window | merge
+        current: logits, scores, bands, ends, row pages | wait queries | row pass | wait window | merge
         beside:  queries | K/V store | window pass | streaming heads
     """
     main, side = torch.cuda.current_stream(device), side_stream(device)
@@ -233,19 +232,18 @@ def flash_queries(query: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
 
 
 def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[], torch.Tensor],
-                            selected: torch.Tensor, num_selected: torch.Tensor, context_ends: torch.Tensor, *,
-                            cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
-                            block_table: torch.Tensor, scale: float, output: torch.Tensor,
+                            pages: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor,
+                            context_ends: torch.Tensor, *, cache: torch.Tensor, heads: LayerHeads,
+                            query_start_loc: torch.Tensor, scale: float, output: torch.Tensor,
                             quant: KVQuant | None) -> None:
     """The squeeze's second pass: FlashAttention over pages of one cache row listing each squeezed row's sinks and
-    selected keys per retrieval head (kernels/row_pages.py), merged into `output` with the window pass that
+    selected keys per retrieval head (`row_pages.run_pages`' lists), merged into `output` with the window pass that
     `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries`, and `window_lse()` its log-sum-exp
     once the merge may read it: where the window pass runs on another stream, the call joins it).
 
     One batch entry per (request, retrieval KV head), its G query heads at the request's last token; rows without a
     context have empty lists and are not merged. Fixed shapes, no host syncs: CUDA-graph capturable."""
     R, G, num_reqs = heads.num_retrieval, heads.group_size, context_ends.shape[0]
-    pages, lens, starts = row_pages(selected, num_selected, context_ends, block_table, heads, cache)
     if queries.shape[0] != num_reqs:  # a mixed batch: each request's last token
         queries = queries[query_start_loc[1:] - 1]
     options = {}

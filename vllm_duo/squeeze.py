@@ -60,7 +60,8 @@ from vllm_duo.config import SqueezeSettings
 from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, cluster_radii, to_csr
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, read_retrieval
-from vllm_duo.kernels.selection import centroid_scores, select_banded
+from vllm_duo.kernels.row_pages import run_pages
+from vllm_duo.kernels.selection import BandRuns, band_runs, centroid_scores, gather_positions
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
 FP8_CENTROIDS = torch.float8_e4m3fn  # the centroids' dtype beside an fp8 (e4m3) KV cache
@@ -298,20 +299,23 @@ class ClusteredContexts:
     def decode(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
                output: torch.Tensor, rows: SqueezeRows, quant: KVQuant | None = None,
-               attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+               attend: Callable[..., None] | None = None) -> None:
         """The retrieval heads of the rows that read a context, by the Triton kernels: their lookup, then attention
         over sinks, selected keys and window, written into `output`; other rows are left as they are. `attend`
-        (selected, num_selected, context_ends) attends the selection where FlashAttention has read the window
-        (gpu_attention.selected_rows_attention); None: the Triton sparse decode reads all of it. Fixed shapes and
-        no host syncs: CUDA-graph capturable."""
-        selected, counts = self.select(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale,
-                                       self.settings.max_selected())
+        (pages, lens, starts, context_ends: `row_pages.run_pages`' lists of the sinks and selected keys) attends
+        them where FlashAttention has read the window (gpu_attention.selected_rows_attention); None: the Triton
+        sparse decode reads all of it. Fixed shapes and no host syncs: CUDA-graph capturable."""
+        max_selected = self.settings.max_selected()
+        runs = self.runs(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale, max_selected)
         if attend is not None:
-            attend(selected, counts, rows.context_ends)
-        else:
-            sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
-                                    selected, counts, quant=quant, checked=True, context_ends=rows.context_ends)
-        self._count(selected, counts, seq_lens, rows.context_ends, heads)
+            attend(*run_pages(runs, self.positions[layer], rows.context_ids, rows.context_ends, block_table, heads,
+                              cache, max_selected), rows.context_ends)
+        if attend is None or self.settings.count_reads:
+            selected, counts = gather_positions(runs, self.positions[layer], max_selected, rows.context_ids)
+            if attend is None:
+                sparse_decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
+                                        selected, counts, quant=quant, checked=True, context_ends=rows.context_ends)
+            self._count(selected, counts, seq_lens, rows.context_ends, heads)
 
     def decode_reference(self, layer: int, query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
                          query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor, scale: float,
@@ -352,15 +356,12 @@ class ClusteredContexts:
         read, there = self.reads.tolist()
         return read / there if there else None
 
-    def select(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
-               context_ids: torch.Tensor, budget: torch.Tensor, scale: float,
-               max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions each decoding request's retrieval heads read beyond the sinks and window: its context's
-        best score bands of clusters (`context_ids` `[num_reqs]` int32 slots) to `budget` `[num_reqs]` keys (less
-        than one cluster more), cut at `max_selected` -> selected `[num_reqs, R, max_selected]` int32, num_selected
-        `[num_reqs, R]` int32."""
+    def runs(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
+             context_ids: torch.Tensor, budget: torch.Tensor, scale: float, max_selected: int) -> BandRuns:
+        """What each decoding request's retrieval heads read beyond the sinks and window, as runs of clusters
+        (`selection.band_runs`): its context's best score bands of clusters (`context_ids` `[num_reqs]` int32 slots)
+        to `budget` `[num_reqs]` keys (less than one cluster more), cut at `max_selected`."""
         R = heads.num_retrieval
         scores = centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
                                  context_ids, self.scales_of(layer), self.radii[layer], self.settings.radius_weight)
-        return select_banded(scores, self.offsets[layer], self.positions[layer], budget[:, None].expand(-1, R),
-                             max_selected, context_ids)
+        return band_runs(scores, self.offsets[layer], budget[:, None].expand(-1, R), max_selected, context_ids)
