@@ -16,8 +16,8 @@ from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
 from vllm_duo.kernels.row_pages import row_views, run_pages
-from vllm_duo.kernels.selection import (BandRuns, band_runs, centroid_scores, page_scores, select_banded,
-                                         select_pages, select_positions)
+from vllm_duo.kernels.selection import (BandRuns, band_runs, centroid_scores, gather_positions, page_scores,
+                                         select_banded, select_pages, select_positions)
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
 # decode batches: GQA 3 with contexts within the sinks and window, MHA with a one-token context, graph padding
@@ -369,7 +369,8 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
               else torch.full((num_reqs, R), budget, dtype=torch.int32))
     contexts = torch.tensor([1, -1, 0, 1], dtype=torch.int32) if shared else None  # request 1 reads none
     scored = centroid_scores(query, centroids, offsets.diff(dim=-1), heads, starts, 0.3, contexts)
-    got = select_banded(scored, offsets, positions, budget, max_selected, contexts)
+    runs = band_runs(scored, offsets, budget, max_selected, contexts)
+    got = gather_positions(runs, positions, max_selected, contexts)  # select_banded's two steps
     expected = ref.select_banded(scored.scores, offsets, positions, budget, max_selected,
                                  None if contexts is None else contexts.tolist())
     assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
@@ -388,7 +389,6 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     cache = torch.randn(40, 2, block_size, R, 8)
     table = torch.randint(0, 40, (num_reqs, 16), dtype=torch.int32)
     ends = torch.tensor([48, 0, 32, 64], dtype=torch.int32)  # request 1 decodes without a context: no list
-    runs = band_runs(scored, offsets, budget, max_selected, contexts)
     pages = run_pages(runs, positions, contexts, ends, table, LayerHeads.build(list(range(R)), R, R, 1, sink, 4),
                       cache, max_selected)
     assert_lists_read(pages, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
