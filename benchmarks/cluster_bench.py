@@ -106,7 +106,7 @@ def bench(heads: int = 128, head_dim: int = 128, lengths=LENGTHS, device: torch.
                 with patch.object(clustering, "FUSED_ASSIGN", tile is not None), \
                         patch.object(clustering, "NEAREST_TILE", tile or clustering.NEAREST_TILE):
                     best, done = min(seconds(run, device) for _ in range(repeats))
-                peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0
+                peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else 0.0
                 rows.append({"keys": length, "heads": heads, "head_dim": head_dim, "levels": levels, "init": init,
                              "assign": assign, "clusters": count, "coarse": coarse if levels == 2 else None,
                              "iterations": done, "seconds": best, "peak_gib": round(peak, 2)})

@@ -982,20 +982,22 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         budgets = {k: torch.full((batch, max(counts)), T // k, dtype=torch.int32, device=DEV)
                    for k in SQUEEZE_BUDGETS}
 
+        def max_selected_at(k, keys_per_cluster):
+            """The served selection's width at budget 1/k."""
+            return SqueezeSettings(budget=1 / k, keys_per_cluster=keys_per_cluster, max_context_len=T).max_selected()
+
         def choose(scored, offsets, positions, k, banded=True, keys_per_cluster=KEYS_PER_CLUSTER):
             budget = budgets[k][:, :scored.scores.shape[1]]
-            served = SqueezeSettings(budget=1 / k, keys_per_cluster=keys_per_cluster, max_context_len=T)
             if banded:
-                return select_banded(scored, offsets, positions, budget, served.max_selected())
-            return select_positions(scored.scores, offsets, positions, budget, served.max_selected())
+                return select_banded(scored, offsets, positions, budget, max_selected_at(k, keys_per_cluster))
+            return select_positions(scored.scores, offsets, positions, budget, max_selected_at(k, keys_per_cluster))
 
         # FlashAttention's window pass reads the tokens from the context's end (its page table shifted)
         ends = torch.full((batch,), context_end, dtype=torch.int32, device=DEV)
 
         def page_lists(scored, offsets, positions, R, k, keys_per_cluster=KEYS_PER_CLUSTER):
             """FlashAttention's lists of the sinks and the keys `choose` would take, as served (run_pages)."""
-            max_selected = SqueezeSettings(budget=1 / k, keys_per_cluster=keys_per_cluster,
-                                           max_context_len=T).max_selected()
+            max_selected = max_selected_at(k, keys_per_cluster)
             runs = band_runs(scored, offsets, budgets[k][:, :R], max_selected)
             d = layouts[R]
             return run_pages(runs, positions, None, ends, d.table, d.heads, d.cache, max_selected)

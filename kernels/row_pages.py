@@ -70,7 +70,7 @@ def _run_pages_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, en
 
 def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torch.Tensor | None,
               context_ends: torch.Tensor, block_table: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
-              max_selected: int, sink: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              max_selected: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Page lists of one cache row for the second pass, one launch: one entry per (request, retrieval head), its
     sinks then the positions `select_banded` would gather from `runs` (the same keys in the same order).
 
@@ -81,14 +81,13 @@ def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torc
         block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
         cache: the duo cache `row_views` sees (its shape and strides set the row ids).
         max_selected: the selection's width (`band_runs`' counts are at most this).
-        sink: default `heads.sink`.
 
     Returns:
         pages `[num_reqs * R, sink + max_selected]` int32 row ids (0 past each length), lengths `[num_reqs * R]` int32
         and query starts `[num_reqs * R + 1]` int32 (entry i's query is row i of the `[num_reqs * R, G, head_dim]`
         queries).
     """
-    sink = heads.sink if sink is None else sink
+    sink = heads.sink
     (num_reqs, R), C = runs.counts.shape, runs.ends.shape[-1]
     list_len = sink + max_selected
     device = runs.counts.device

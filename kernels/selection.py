@@ -615,7 +615,7 @@ def gather_positions(runs: BandRuns, cluster_positions: torch.Tensor, max_select
     if num_reqs == 0 or R == 0 or C == 0:
         return selected.zero_(), runs.counts
     out_w = GATHER_SLOTS if selected.is_cuda else 16
-    contexts = runs.ends if context_ids is None else context_ids  # without context ids the kernel reads none
+    contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
     _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
         runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, selected, C, max_selected,
         *runs.offsets.stride()[:2], *cluster_positions.stride()[:2], *runs.counts.stride(), *runs.ends.stride()[:3],
