@@ -36,7 +36,7 @@ against duo with Squeezed Attention's lookup and sparse decode on its retrieval 
 the keys (random clusters, fp8 centroids as served: timing only), each step whole, its lookup alone and its sparse
 decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, then FlashAttention over pages of one
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
-streaming heads), also without its lookup.
+streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, the layer as served with the launch settings of the centroid kernels
 (programs per SM, clusters per tile; also their time alone) and of the row pass (FlashAttention's splits) varied.
 
@@ -1013,7 +1013,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
             clusters (of `keys_per_cluster` keys on average); `served`: the squeeze's layer as the backend runs it
             (duo_attention_gpu: the lookup, then FlashAttention over the selected rows and the merge,
-            FlashAttention's window pass and the streaming heads beside them)."""
+            FlashAttention's window pass and the streaming heads beside them; with `attend` False its lookup alone:
+            the scores, the runs and the page lists)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -1047,6 +1048,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                         if attend:
                             sparse_decode_attention(query, d.cache, d.heads, qsl, sl, d.table, SCALE, out, *selected,
                                                     quant=quant, checked=True)
+                    if served and not attend:  # the served lookup alone: its page lists, nothing attended
+                        retrieval(attend_rows=lambda *lists: None)
+                        continue
                     if served:
                         gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                         out, 1, max_len, quant=quant,
@@ -1078,6 +1082,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         if sweep:
             timed("duo", step())
             timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
+            timed("squeeze 1/16: lookup as served only (scores, runs, page lists)", step(16, served=True, attend=False))
             for per_sm, tile in ((2, 64), (8, 64), (4, 128), (8, 128)):
                 with patch.object(selection, "SCORE_PROGRAMS_PER_SM", per_sm), \
                         patch.object(selection, "_score_tiles", lambda device, tile=tile: tile):
@@ -1108,7 +1113,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         timed("lookup with the sorting selection, 1/16", step(16, write=False, attend=False, banded=False))
         for k in SQUEEZE_BUDGETS:
             timed(f"squeeze 1/{k}", step(k))
-            timed(f"squeeze 1/{k}: lookup only", step(k, write=False, attend=False))
+            timed(f"squeeze 1/{k}: lookup only (positions gathered)", step(k, write=False, attend=False))
             selections = selections_at(k)
             res.setdefault("mean_selected", {})[f"1/{k}"] = float(
                 sum(selections[R][1].float().mean() * counts.count(R) for R in selections) / len(counts))
@@ -1119,7 +1124,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
         timed("squeeze 1/16 as served without the lookup (selections made before)",
               step(16, served=True, lookup=False, selections=selections_at(16, served=True)))
-        for part, fn in (("lookup", step(16, write=False, attend=False)), ("served", step(16, served=True))):
+        lookup_served = step(16, served=True, attend=False)
+        timed("squeeze 1/16: lookup as served only (scores, runs, page lists)", lookup_served)
+        for part, fn in (("lookup", lookup_served), ("served", step(16, served=True))):
             res[f"{part}_kernels"] = profile = kernel_profile(capture(fn), fn, top=20)
             print_kernels(f"{case} {part} at 1/16, kernels", profile)
         results.append(res)

@@ -388,11 +388,14 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     sink, block_size = 3, 16
     cache = torch.randn(40, 2, block_size, R, 8)
     table = torch.randint(0, 40, (num_reqs, 16), dtype=torch.int32)
-    ends = torch.tensor([48, 0, 32, 64], dtype=torch.int32)  # request 1 decodes without a context: no list
-    pages = run_pages(runs, positions, contexts, ends, table, LayerHeads.build(list(range(R)), R, R, 1, sink, 4),
-                      cache, max_selected)
-    assert_lists_read(pages, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
-                                             if ends[req] else [] for head in range(R)] for req in range(num_reqs)])
+    layer = LayerHeads.build(list(range(R)), R, R, 1, sink, 4)
+    # request 1 decodes without a context: no list; shared, at a context end but with context id -1 (a plan serving
+    # never makes) its sinks alone, none of another context's positions
+    for ends in ([48, 0, 32, 64], [48, 16, 32, 64]):
+        pages = run_pages(runs, positions, contexts, torch.tensor(ends, dtype=torch.int32), table, layer, cache,
+                          max_selected)
+        assert_lists_read(pages, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
+                                                 if ends[req] else [] for head in range(R)] for req in range(num_reqs)])
 
 
 def summarized(case: Case) -> torch.Tensor:
