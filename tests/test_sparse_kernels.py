@@ -688,42 +688,6 @@ def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, monkeypatch):
         torch.testing.assert_close(step.out[rows][:, q].float().cpu(), expected[rows][:, q].float().cpu(), **tol)
 
 
-@pytest.mark.gpu
-def test_band_pages_on_the_gpu_list_what_the_gather_reads():
-    """The compiled listing at a served shape (4 requests over two shared 64k contexts and none, 4 retrieval heads of
-    4,096 clusters: tiles of 256 listed in chunks of 128, 64 entries at a time, budget 1/16): each list holds the
-    rows of the positions that the search of the runs gathers, in order."""
-    torch.manual_seed(0)
-    R, C, T, sink, block_size = 4, 4096, 65536, 64, 16
-    label = torch.randint(0, C, (2, R, T)) // 2 * 2  # odd clusters stay empty
-    order = torch.argsort(label, dim=-1, stable=True)
-    positions = (order + sink).int().to(CUDA)  # clustered from the sinks on, as served
-    offsets = torch.zeros(2, R, C + 1, dtype=torch.int32)
-    offsets[..., 1:] = torch.stack([torch.bincount(row, minlength=C) for row in label.flatten(0, 1)]).view(
-        2, R, C).cumsum(-1)
-    offsets = offsets.to(CUDA)
-    heads = LayerHeads.build(list(range(R)), 8, 32, 1, sink, 256, device=CUDA)
-    query = torch.randn(4, 32, 128, dtype=torch.bfloat16, device=CUDA)
-    starts = torch.arange(5, dtype=torch.int32, device=CUDA)
-    contexts = torch.tensor([0, 1, 0, -1], dtype=torch.int32, device=CUDA)
-    scored = centroid_scores(query, torch.randn(2, R, C, 128, dtype=torch.bfloat16, device=CUDA),
-                             offsets.diff(dim=-1), heads, starts, 128 ** -0.5, contexts)
-    budget = torch.full((4, R), T // 16, dtype=torch.int32, device=CUDA)
-    max_selected = T // 16 + 512
-    blocks = (T + sink) // block_size + 1
-    cache = torch.randn(blocks, 2, block_size, R, 128, device=CUDA).to(torch.bfloat16)
-    table = torch.stack([torch.randperm(blocks) for _ in range(4)]).int().to(CUDA)
-    context_ends = torch.tensor([T + sink, T + sink, T + sink, 0], dtype=torch.int32, device=CUDA)
-    runs, (pages, lens, list_starts) = band_pages(scored, offsets, positions, budget, max_selected, contexts,
-                                                  context_ends, table, heads, cache)
-    selected, counts = gather_positions(runs, positions, max_selected, contexts)
-    assert (counts[:3] >= T // 16).all() and (counts[3] == 0).all()
-    expected, expected_lens, expected_starts = row_lists(selected, counts, context_ends, table, heads, cache)
-    assert torch.equal(lens, expected_lens) and torch.equal(list_starts, expected_starts)
-    for entry, length in enumerate(lens.tolist()):
-        assert torch.equal(pages[entry, :length], expected[entry, :length]), entry
-
-
 def assert_lists_read(lists, cache: torch.Tensor, table: torch.Tensor, listed: list[list[list[int]]],
                       stride: int = 1) -> None:
     """`band_pages`' lists (pages, lens, starts) name, through `row_views`, the K and V of `listed[req][head]`'s
