@@ -921,8 +921,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
-    from vllm_duo.kernels.row_pages import band_pages
-    from vllm_duo.kernels.selection import centroid_scores, select_banded, select_positions
+    from vllm_duo.kernels.row_pages import run_pages
+    from vllm_duo.kernels.selection import band_runs, centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
     from vllm_duo.squeeze import to_fp8_centroids, window_pages
@@ -996,10 +996,11 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
         ends = torch.full((batch,), context_end, dtype=torch.int32, device=DEV)
 
         def page_lists(scored, offsets, positions, R, k, keys_per_cluster=KEYS_PER_CLUSTER):
-            """FlashAttention's lists of the sinks and the keys `choose` would take, as served (band_pages)."""
+            """FlashAttention's lists of the sinks and the keys `choose` would take, as served (run_pages)."""
+            max_selected = max_selected_at(k, keys_per_cluster)
+            runs = band_runs(scored, offsets, budgets[k][:, :R], max_selected)
             d = layouts[R]
-            return band_pages(scored, offsets, positions, budgets[k][:, :R], max_selected_at(k, keys_per_cluster),
-                              None, ends, d.table, d.heads, d.cache)[1]
+            return run_pages(runs, positions, None, ends, d.table, d.heads, d.cache, max_selected)
         window_tables = {R: torch.empty_like(table) for R, table in retrieval_tables.items()}
         window_lens = sl - ends
         for R, table in retrieval_tables.items():

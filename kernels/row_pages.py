@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The squeeze's sparse decode as two FlashAttention passes (gpu_attention.py runs them): the window pass over each
 squeezed row's retrieval pages from its context's end on, then a pass over pages of one cache row listing its sinks
-and selected keys, the two merged by their log-sum-exp. This module has the second pass's page lists listed by the
-launch that ends the selection (`selection.band_runs` with `PageLists`: no positions written in between, no search of
-the runs), and merges; it imports no FlashAttention (the merge takes any pass's output and log-sum-exp).
+and selected keys, the two merged by their log-sum-exp. This module builds the second pass's page lists, straight
+from the selection's runs of clusters (`selection.band_runs`: no positions written in between), and merges; it imports
+no FlashAttention (the merge takes any pass's output and log-sum-exp).
 
 A duo cache `[num_blocks, 2, block_size, P, head_dim]` seen as rows of `head_dim` elements (`row_views`; its blocks
 `B` rows apart, 2 x block_size x P when they are packed): the K row of retrieval head r at position p is
@@ -14,7 +14,7 @@ and its V row is `V` rows further (block_size x P when packed), so that K and V 
 paged caches (pages of one row, one KV head), the V view starting V rows later, take the same page ids:
 
     request 0 (context end 4,096, sink 64), retrieval head 1, 3 selected positions
-    entry 0 * R + 1: pages [row(0), ..., row(63), row(sel[0]), row(sel[1]), row(sel[2]), (unwritten) ...], length 67
+    entry 0 * R + 1: pages [row(0), ..., row(63), row(sel[0]), row(sel[1]), row(sel[2]), 0, ...], length 67
     its query: request 0's last token at head 1's G query heads
 
 The window [context end, seq_len) is the first pass's (FlashAttention over the retrieval pages shifted by the
@@ -29,42 +29,87 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.reference import LayerHeads
-from vllm_duo.kernels.selection import BandRuns, ClusterScores, PageLists, band_runs
+from vllm_duo.kernels.selection import BandRuns, _context_of, _run_positions
+
+PAGE_SLOTS = 256  # list entries per program
 
 
-def band_pages(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_positions: torch.Tensor,
-               budget: torch.Tensor, max_selected: int, context_ids: torch.Tensor | None, context_ends: torch.Tensor,
-               block_table: torch.Tensor, heads: LayerHeads,
-               cache: torch.Tensor) -> tuple[BandRuns, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`selection.band_runs` with the second pass's page lists, listed by the launch that writes the runs' ends:
-    one entry per (request, retrieval head), its sinks then the positions `select_banded` would gather from the
-    runs (the same keys in the same order), as rows of `cache`.
+@triton.jit(do_not_specialize=["num_clusters", "num_retrieval", "stride", "sink", "max_selected", "list_len",
+                               "block_rows", "token_rows"])
+def _run_pages_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, ends_ptr, counts_ptr,
+                      context_ends_ptr, block_table_ptr, pages_ptr, lens_ptr, cu_ptr, num_clusters, num_retrieval,
+                      stride, sink, max_selected, list_len, block_rows, token_rows,
+                      stride_ox: tl.int64, stride_oh: tl.int64, stride_px: tl.int64, stride_ph: tl.int64,
+                      stride_cr: tl.int64, stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
+                      stride_es: tl.int64, stride_table: tl.int64, stride_pe: tl.int64, BLOCK_SIZE: tl.constexpr,
+                      SLOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
+    """Grid (num_reqs, R, cdiv(list_len, SLOTS)): SLOTS entries of entry (req, head)'s page list, its sinks then its
+    selected keys (`_run_positions` finds them in the runs), as cache row ids; the first program of an entry writes
+    its length (0 at a row without context) and its query start."""
+    req, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    entry = req * num_retrieval + head
+    squeezed = tl.load(context_ends_ptr + req) > 0
+    count = tl.minimum(tl.load(counts_ptr + req * stride_cr + head * stride_ch), max_selected)
+    length = tl.where(squeezed, sink + count, 0)
+    index = chunk * SLOTS + tl.arange(0, SLOTS)
+    live = index < length
+    context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the length is 0
+    chosen = _run_positions(index - sink, live & (index >= sink), req, head, context, offsets_ptr, positions_ptr,
+                            above_ptr, ends_ptr, num_clusters, stride_ox, stride_oh, stride_px, stride_ph, stride_cr,
+                            stride_ch, stride_er, stride_eh, stride_es, SEARCH_STEPS)
+    pos = tl.where(index < sink, index, chosen)
+    block = tl.load(block_table_ptr + req * stride_table + pos // BLOCK_SIZE * stride, mask=live, other=0)
+    row = block.to(tl.int64) * block_rows + (pos % BLOCK_SIZE) * token_rows + head
+    tl.store(pages_ptr + entry * stride_pe + index, tl.where(live, row, 0).to(tl.int32), mask=index < list_len)
+    if chunk == 0:
+        tl.store(lens_ptr + entry, length)
+        tl.store(cu_ptr + entry, entry)
+        if entry == tl.num_programs(0) * num_retrieval - 1:
+            tl.store(cu_ptr + entry + 1, entry + 1)
+
+
+def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torch.Tensor | None,
+              context_ends: torch.Tensor, block_table: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
+              max_selected: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page lists of one cache row for the second pass, one launch: one entry per (request, retrieval head), its
+    sinks then the positions `select_banded` would gather from `runs` (the same keys in the same order).
 
     Args:
-        scored ... context_ids: as `band_runs`', over the clusters of `cluster_positions` `[num_contexts, R, T]`
-            int32 (the CSR positions).
+        runs: `selection.band_runs`' result for `[num_reqs, R]` rows, over the clusters of `cluster_positions`
+            `[num_contexts, R, T]` int32 (the CSR positions) and `context_ids` `[num_reqs]` int32 (None: row i).
         context_ends: `[num_reqs]` int32: 0 at rows that read no clustered context (their lists are empty).
         block_table: `[num_reqs, max_blocks]` int32, `heads.stride` columns per token block.
         cache: the duo cache `row_views` sees (its shape and strides set the row ids).
+        max_selected: the selection's width (`band_runs`' counts are at most this).
 
     Returns:
-        the runs, and the lists: pages `[num_reqs * R, sink + max_selected]` int32 row ids (unwritten past each
-        length), lengths `[num_reqs * R]` int32 and query starts `[num_reqs * R + 1]` int32 (entry i's query is row i
-        of the `[num_reqs * R, G, head_dim]` queries).
+        pages `[num_reqs * R, sink + max_selected]` int32 row ids (0 past each length), lengths `[num_reqs * R]` int32
+        and query starts `[num_reqs * R + 1]` int32 (entry i's query is row i of the `[num_reqs * R, G, head_dim]`
+        queries).
     """
-    entries, device = scored.scores.shape[0] * heads.num_retrieval, scored.scores.device
-    lists = PageLists(cluster_positions, context_ends, block_table, heads.stride, heads.sink, cache.shape[2],
-                      cache.stride(0) // cache.shape[-1], cache.stride(2) // cache.shape[-1],
-                      torch.empty(entries, heads.sink + max_selected, dtype=torch.int32, device=device),
-                      torch.empty(entries, dtype=torch.int32, device=device),
-                      torch.empty(entries + 1, dtype=torch.int32, device=device))
-    runs = band_runs(scored, cluster_offsets, budget, max_selected, context_ids, lists)
-    return runs, (lists.pages, lists.lens, lists.starts)
+    sink = heads.sink
+    (num_reqs, R), C = runs.counts.shape, runs.ends.shape[-1]
+    list_len = sink + max_selected
+    device = runs.counts.device
+    pages = torch.empty(num_reqs * R, list_len, dtype=torch.int32, device=device)
+    lens = torch.empty(num_reqs * R, dtype=torch.int32, device=device)
+    starts = torch.empty(num_reqs * R + 1, dtype=torch.int32, device=device)
+    if num_reqs * R == 0:
+        return pages, lens, starts.zero_()
+    slots = PAGE_SLOTS if device.type == "cuda" else 16
+    contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
+    _run_pages_kernel[(num_reqs, R, triton.cdiv(list_len, slots))](
+        runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, context_ends, block_table,
+        pages, lens, starts, C, R, heads.stride, sink, max_selected, list_len, cache.stride(0) // cache.shape[-1],
+        cache.stride(2) // cache.shape[-1], *runs.offsets.stride()[:2], *cluster_positions.stride()[:2],
+        *runs.counts.stride(), *runs.ends.stride()[:3], block_table.stride(0), pages.stride(0),
+        BLOCK_SIZE=cache.shape[2], SLOTS=slots, SEARCH_STEPS=max(C, 1).bit_length(), CONTEXTS=context_ids is not None)
+    return pages, lens, starts
 
 
 def row_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a duo cache `[num_blocks, 2, block_size, P, head_dim]` as `[rows, 1, 1, head_dim]` pages of one
-    row that `band_pages`' ids index (as many pages each). Its rows must be whole: each token's P heads one after
+    row that `row_pages`' ids index (as many pages each). Its rows must be whole: each token's P heads one after
     another, its blocks and K/V halves a whole number of rows apart."""
     head_dim = cache.shape[-1]
     strides = cache.stride()

@@ -406,11 +406,11 @@ GATHER_SLOTS = 256  # output slots per gather program on a GPU (1024: lookup 0.3
 
 @triton.jit
 def _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS: tl.constexpr):
-    """Clusters `offs_c` of a row (where `ok`): each one's score band (`_score_band`), its keys and where they start
-    in the CSR."""
+    """Clusters `offs_c` of a row (where `ok`): each one's score band (`_score_band`) and its keys, from the CSR
+    offsets."""
     band = _score_band(tl.load(scores_row + offs_c, mask=ok, other=0.0), top_band, BANDS)
-    start = tl.load(offsets_row + offs_c, mask=ok, other=0)
-    return band, tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - start, start
+    size = tl.load(offsets_row + offs_c + 1, mask=ok, other=0) - tl.load(offsets_row + offs_c, mask=ok, other=0)
+    return band, size
 
 
 @triton.jit
@@ -454,60 +454,22 @@ def _octave_bands_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, 
     for start in range(0, TILE, SCAN):
         offs_c = tile * TILE + start + tl.arange(0, SCAN)
         ok = offs_c < tile_end
-        band, size = _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS)[:2]
+        band, size = _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS)
         hit = (ok & (band // OCTAVE == cut_octave))[:, None] & ((band % OCTAVE)[:, None] == fine[None, :])
         fine_keys += tl.sum(tl.where(hit, size[:, None], 0), 0)
     tl.store(fine_keys_ptr + req * stride_fr + head * stride_fh + tile * stride_ft + fine, fine_keys)
 
 
-@triton.jit
-def _list_run(pages_row, positions_row, table_row, csr_starts, firsts, sizes, run_start, list_start, list_end, head,
-              table_stride, block_rows, token_rows, BLOCK_SIZE: tl.constexpr, SLOTS: tl.constexpr):
-    """A chunk of clusters' keys in one run as cache row ids at `list_start` + their place in the run, up to
-    `list_end` (`PageLists`): each cluster holds `sizes` of them, at `csr_starts` in its context's CSR and after the
-    run's first `firsts`; the chunk's first is the run's `run_start`. A place's cluster is the last nonempty one
-    that starts at or before it: a [SLOTS, clusters] comparison, no search."""
-    keys = tl.sum(sizes, 0)
-    for done in range(0, keys, SLOTS):
-        slot = run_start + done + tl.arange(0, SLOTS)
-        index = list_start + slot
-        live = (slot < run_start + keys) & (index < list_end)
-        holds = (firsts[None, :] <= slot[:, None]) & (sizes > 0)[None, :]
-        csr_start = tl.max(tl.where(holds, csr_starts[None, :], 0), 1)  # both rise with the cluster
-        first = tl.max(tl.where(holds, firsts[None, :], 0), 1)
-        pos = tl.load(positions_row + csr_start + slot - first, mask=live, other=0)
-        block = tl.load(table_row + pos // BLOCK_SIZE * table_stride, mask=live, other=0)
-        row = block.to(tl.int64) * block_rows + (pos % BLOCK_SIZE) * token_rows + head
-        tl.store(pages_row + index, row.to(tl.int32), mask=live)
-
-
-@triton.jit
-def _list_sinks(pages_row, table_row, sink, head, table_stride, block_rows, token_rows, BLOCK_SIZE: tl.constexpr,
-                SLOTS: tl.constexpr):
-    """Positions [0, sink) as cache row ids at the list's start."""
-    for done in range(0, sink, SLOTS):
-        pos = done + tl.arange(0, SLOTS)
-        live = pos < sink
-        block = tl.load(table_row + pos // BLOCK_SIZE * table_stride, mask=live, other=0)
-        row = block.to(tl.int64) * block_rows + (pos % BLOCK_SIZE) * token_rows + head
-        tl.store(pages_row + pos, row.to(tl.int32), mask=live)
-
-
-@triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected", "table_stride", "sink", "block_rows",
-                               "token_rows"])
+@triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
 def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, offsets_ptr, context_ids_ptr,
-                      budget_ptr, above_ptr, ends_ptr, counts_ptr, positions_ptr, context_ends_ptr, block_table_ptr,
-                      pages_ptr, lens_ptr, starts_ptr, num_clusters, num_tiles, max_selected, table_stride, sink,
-                      block_rows, token_rows,
+                      budget_ptr, above_ptr, ends_ptr, counts_ptr, num_clusters, num_tiles, max_selected,
                       stride_sr: tl.int64, stride_sh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
                       stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_fr: tl.int64,
                       stride_fh: tl.int64, stride_ft: tl.int64, stride_ox: tl.int64,
                       stride_oh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64, stride_cr: tl.int64,
                       stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64, stride_es: tl.int64,
-                      stride_px: tl.int64, stride_ph: tl.int64, stride_table: tl.int64, stride_pe: tl.int64,
                       TILE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BANDS: tl.constexpr,
-                      OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      SLOTS: tl.constexpr):
+                      OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): `centroid_scores`' tiles of TILE clusters. Each program finds the row's cut band
     (the best band whose keys and those of every better band reach the budget; the last if none does) in two steps:
     the cut octave from every tile's keys per octave, then the cut band within it from every tile's keys per band
@@ -516,27 +478,14 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
     the cut, `ends[.., 1, c]` of the sizes in the cut band. The cut band's clusters are taken while the keys before
     them are fewer than the row's need, so its run ends at the first that meets it: the program holding that one
     writes the count; where none does (all of them taken, or none needed) tile 0's program writes it, and always the
-    keys above the cut. PAGES: each program also lists its tile's taken keys (`PageLists`) at a squeezed row
-    (context end > 0), tile 0 the sinks and the query starts, the count's writer the length."""
+    keys above the cut."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
     row = req * stride_cr + head * stride_ch
     first = tile == 0
-    entry = req * tl.num_programs(1) + head
-    table_row = block_table_ptr + req * stride_table
-    pages_row = pages_ptr + entry * stride_pe
-    if PAGES:
-        squeezed = tl.load(context_ends_ptr + req) > 0
-        if first:
-            tl.store(starts_ptr + entry, entry)
-            tl.store(starts_ptr + entry + 1, entry + 1, mask=entry == tl.num_programs(0) * tl.num_programs(1) - 1)
-            if squeezed:
-                _list_sinks(pages_row, table_row, sink, head, table_stride, block_rows, token_rows, BLOCK_SIZE, SLOTS)
     if context < 0:
         tl.store(above_ptr + row, 0, mask=first)
         tl.store(counts_ptr + row, 0, mask=first)
-        if PAGES:
-            tl.store(lens_ptr + entry, tl.where(squeezed, sink, 0), mask=first)
         return
     cut_octave, octave_keys, budget = _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr,
                                                   stride_kh, stride_kt, stride_br, stride_bh, BLOCK_T, BANDS // OCTAVE)
@@ -557,23 +506,20 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
     in_cut_all = tl.sum(tl.where(fine == cut_fine, fine_keys, 0), 0)
     need = budget - above_all
     met = (need > 0) & (in_cut_all >= need)  # by one cluster of the cut band
-    count = tl.minimum(above_all + tl.where(in_cut_all < need, in_cut_all, 0), max_selected)
     tl.store(above_ptr + row, above_all, mask=first)
-    tl.store(counts_ptr + row, count, mask=first & ~met)
-    if PAGES:
-        tl.store(lens_ptr + entry, tl.where(squeezed, sink + count, 0), mask=first & ~met)
+    tl.store(counts_ptr + row, tl.minimum(above_all + tl.where(in_cut_all < need, in_cut_all, 0), max_selected),
+             mask=first & ~met)
     base_above = octaves_before + tl.sum(tl.where(fine < cut_fine, fine_before, 0), 0)
     base_cut = tl.sum(tl.where(fine == cut_fine, fine_before, 0), 0)
     top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
     scores_row = scores_ptr + req * stride_sr + head * stride_sh
     offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
-    positions_row = positions_ptr + context * stride_px + head * stride_ph
     ends_row = ends_ptr + req * stride_er + head * stride_eh
     tile_end = tl.minimum((tile + 1) * TILE, num_clusters)
     for start in range(0, TILE, BLOCK_E):
         offs_c = tile * TILE + start + tl.arange(0, BLOCK_E)
         ok = offs_c < tile_end
-        band, size, csr_start = _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS)
+        band, size = _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS)
         above = tl.where(ok & (band < cut), size, 0)
         in_cut = tl.where(ok & (band == cut), size, 0)
         above_ends = base_above + tl.cumsum(above, 0)
@@ -582,16 +528,6 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
         tl.store(ends_row + stride_es + offs_c, cut_ends, mask=ok)
         meets = (in_cut > 0) & (cut_ends - in_cut < need) & (cut_ends >= need)  # at most one in the row
         tl.store(counts_ptr + row + 0 * offs_c, tl.minimum(above_all + cut_ends, max_selected), mask=meets)
-        if PAGES:
-            tl.store(lens_ptr + entry + 0 * offs_c, tl.where(squeezed, sink + tl.minimum(above_all + cut_ends,
-                                                                                         max_selected), 0), mask=meets)
-            if squeezed:  # the cut band's clusters taken: those that start before the need is met
-                list_end = sink + max_selected
-                _list_run(pages_row, positions_row, table_row, csr_start, above_ends - above, above, base_above,
-                          sink, list_end, head, table_stride, block_rows, token_rows, BLOCK_SIZE, SLOTS)
-                _list_run(pages_row, positions_row, table_row, csr_start, cut_ends - in_cut,
-                          tl.where(cut_ends - in_cut < need, in_cut, 0), base_cut, sink + above_all, list_end, head,
-                          table_stride, block_rows, token_rows, BLOCK_SIZE, SLOTS)
         base_above += tl.sum(above, 0)
         base_cut += tl.sum(in_cut, 0)
 
@@ -660,8 +596,8 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         < 3), cluster 3 (2 < 3); positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
 
     Three launches, neither zeroing nor atomics: the two of `band_runs`, then the positions, each output slot finding
-    its cluster by a binary search of the runs' ends (`row_pages.band_pages` has the second launch list them for
-    FlashAttention instead).
+    its cluster by a binary search of the runs' ends (`row_pages.run_pages` makes FlashAttention's page lists from
+    the runs instead, in one launch).
 
     Args and result as `select_positions`', but `scored` is `centroid_scores`' result (its `sizes` the offsets'
     differences), `budget` `[num_reqs, R]` integers, and a negative context id selects nothing; no threshold.
@@ -698,35 +634,12 @@ class BandRuns(NamedTuple):
     offsets: torch.Tensor  # the CSR offsets as int32, as the kernels read them
 
 
-class PageLists(NamedTuple):
-    """What `band_runs` lists besides the runs (row_pages.band_pages makes it): one entry per (request, retrieval
-    head), at a row whose context end is > 0 its sinks then the positions `select_banded` would gather, each as
-    the id of its cache row, `block_table[req, p // block_size * table_stride] * block_rows + p % block_size *
-    token_rows + head`. Entries past each length are not written."""
-
-    cluster_positions: torch.Tensor  # [num_contexts, R, T] int32: the CSR positions
-    context_ends: torch.Tensor  # [num_reqs] int32
-    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
-    table_stride: int  # block table columns per token block
-    sink: int
-    block_size: int
-    block_rows: int
-    token_rows: int
-    pages: torch.Tensor  # [num_reqs * R, sink + max_selected] int32 row ids (written)
-    lens: torch.Tensor  # [num_reqs * R] int32 (written)
-    starts: torch.Tensor  # [num_reqs * R + 1] int32: entry i's query is row i (written)
-
-
-PAGE_SLOTS = 64  # list entries the ends kernel writes at once, each compared with a chunk's clusters
-PAGE_CLUSTERS = 128  # the ends kernel's chunk of clusters when it lists them (104 registers on sm_90)
-
-
 def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torch.Tensor, max_selected: int,
-              context_ids: torch.Tensor | None = None, lists: PageLists | None = None) -> BandRuns:
+              context_ids: torch.Tensor | None = None) -> BandRuns:
     """What `select_banded` takes of each row, as the runs of its clusters: two launches, per tile of clusters its
     keys per band of the row's cut octave (the best octave to the budget, from every tile's keys per octave that
     `centroid_scores` counted); per tile, the cut band from every tile's of those, and the running ends of the two
-    runs, with `lists` also the tile's keys listed (`PageLists`). Arguments as `select_banded`'s."""
+    runs. Arguments as `select_banded`'s."""
     scores = scored.scores
     num_reqs, R, C = scores.shape
     device = scores.device
@@ -735,10 +648,6 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
     ends = torch.empty(num_reqs, R, 2, C, dtype=torch.int32, device=device)
     offsets = cluster_offsets.to(torch.int32)
     if num_reqs == 0 or R == 0 or C == 0:
-        if lists is not None:
-            if num_reqs * R:
-                raise ValueError("page lists need clusters to list")
-            lists.starts.zero_()
         return BandRuns(above.zero_(), ends, counts.zero_(), offsets)
     tiles = scored.band_keys.shape[2]
     contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
@@ -750,20 +659,12 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
         *budget.stride(), *fine_keys.stride()[:3],
         TILE=tile, SCAN=min(OCTAVE_SCAN_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=block_t, BANDS=SCORE_BANDS,
         OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
-    # without lists the kernel reads none of theirs: `counts` stands in for their tensors
-    listed = lists if lists is not None else PageLists(counts, counts, counts, 0, 0, 1, 0, 0, counts, counts, counts)
-    cuda = device.type == "cuda"
-    chunk = min(BAND_CLUSTERS if lists is None else PAGE_CLUSTERS, triton.next_power_of_2(tile))
     _band_ends_kernel[(num_reqs, R, tiles)](
-        scores, scored.top_bands, scored.band_keys, fine_keys, offsets, contexts, budget, above, ends, counts,
-        listed.cluster_positions, listed.context_ends, listed.block_table, listed.pages, listed.lens, listed.starts, C,
-        tiles, max_selected, listed.table_stride, listed.sink, listed.block_rows, listed.token_rows,
-        *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3], *fine_keys.stride()[:3],
-        *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
-        *listed.cluster_positions.stride()[:2], listed.block_table.stride(0), listed.pages.stride(0),
-        TILE=tile, BLOCK_E=chunk, BLOCK_T=block_t, BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE,
-        CONTEXTS=context_ids is not None, PAGES=lists is not None, BLOCK_SIZE=listed.block_size,
-        SLOTS=PAGE_SLOTS if cuda else 16)
+        scores, scored.top_bands, scored.band_keys, fine_keys, offsets, contexts, budget, above, ends, counts, C,
+        tiles, max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
+        *fine_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
+        TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=block_t, BANDS=SCORE_BANDS,
+        OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
     return BandRuns(above, ends, counts, offsets)
 
 

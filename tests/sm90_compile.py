@@ -28,11 +28,10 @@ from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
 from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS,
-                                         OCTAVE_SCAN_CLUSTERS, PAGE_CLUSTERS, PAGE_SLOTS, SCORE_BANDS,
-                                         _band_ends_kernel, _band_gather_kernel, _centroid_logits_kernel,
-                                         _centroid_scores_kernel, _octave_bands_kernel, _page_scores_kernel,
-                                         _score_tiles)
-from vllm_duo.kernels.row_pages import _merge_rows_kernel
+                                         OCTAVE_SCAN_CLUSTERS, SCORE_BANDS, _band_ends_kernel, _band_gather_kernel,
+                                         _centroid_logits_kernel, _centroid_scores_kernel, _octave_bands_kernel,
+                                         _page_scores_kernel, _score_tiles)
+from vllm_duo.kernels.row_pages import PAGE_SLOTS, _merge_rows_kernel, _run_pages_kernel
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -135,6 +134,8 @@ def cases():
             constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], MAX_SPLITS=64,
                              MIN_SPLIT=min_split, BLOCK_S=64, CONTEXT_ENDS=True)
             yield f"sparse merge {tag} splits 64", _sparse_merge_kernel, model, cache, constants, {}
+            yield (f"run pages {tag}", _run_pages_kernel, model, cache,
+                   dict(BLOCK_SIZE=16, SLOTS=PAGE_SLOTS, SEARCH_STEPS=14, CONTEXTS=True), {})
             yield (f"merge rows {tag}", _merge_rows_kernel, model, cache,
                    dict(G=G, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"]), dict(num_warps=1))
         tile = _score_tiles(CUDA)
@@ -148,11 +149,9 @@ def cases():
                         BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=True), {})
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
             for clusters in (4 * tile, 16 * tile):  # tiles of 4 chunks at 4 x 128k, the widest ends chunk
-                for pages, chunk in ((False, BAND_CLUSTERS), (True, PAGE_CLUSTERS)):  # runs; runs and page lists
-                    ends = dict(TILE=clusters, BLOCK_E=min(chunk, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
-                                OCTAVE=BAND_OCTAVE, CONTEXTS=True, PAGES=pages, BLOCK_SIZE=16, SLOTS=PAGE_SLOTS)
-                    label = f"band ends{' and pages' if pages else ''} {tag} tile {clusters}"
-                    yield label, _band_ends_kernel, model, cache, ends, {}
+                ends = dict(TILE=clusters, BLOCK_E=min(BAND_CLUSTERS, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
+                            OCTAVE=BAND_OCTAVE, CONTEXTS=True)
+                yield f"band ends {tag} tile {clusters}", _band_ends_kernel, model, cache, ends, {}
                 octave = dict(TILE=clusters, SCAN=min(OCTAVE_SCAN_CLUSTERS, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
                               OCTAVE=BAND_OCTAVE, CONTEXTS=True)
                 yield f"octave bands {tag} tile {clusters}", _octave_bands_kernel, model, cache, octave, {}

@@ -431,7 +431,7 @@ def test_launched_kernels_declare_their_memory_strides_64_bit():
                queries._quantize_kernel, sparse_decode._sparse_decode_kernel, sparse_decode._sparse_merge_kernel,
                selection._centroid_logits_kernel, selection._centroid_scores_kernel,
                selection._page_scores_kernel, selection._band_ends_kernel, selection._band_gather_kernel,
-               row_pages._merge_rows_kernel]
+               row_pages._run_pages_kernel, row_pages._merge_rows_kernel]
     for kernel in kernels:
         parameters = inspect.signature(kernel.fn).parameters.values()
         strides = {p.name: p.annotation for p in parameters if p.name.startswith("stride_")}

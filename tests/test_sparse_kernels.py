@@ -15,9 +15,9 @@ from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
-from vllm_duo.kernels.row_pages import band_pages, row_views
-from vllm_duo.kernels.selection import (band_runs, centroid_scores, gather_positions, page_scores, select_banded,
-                                         select_pages, select_positions)
+from vllm_duo.kernels.row_pages import row_views, run_pages
+from vllm_duo.kernels.selection import (BandRuns, band_runs, centroid_scores, gather_positions, page_scores,
+                                         select_banded, select_pages, select_positions)
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
 # decode batches: GQA 3 with contexts within the sinks and window, MHA with a one-token context, graph padding
@@ -345,8 +345,8 @@ def test_select_positions(budget, max_selected, shared, threshold):
     (1000, 100, False, 2, "wide", 1),  # one cluster holds every key (odd ones stay empty), cut at max_selected
     (50, 200, True, 40, "equal", 1),  # every score equal (dummy weights): the budget taken in cluster order
     (100, 200, False, 40, "far", 1),  # half the keys e^-30 below the top: the cut in the last band
-    ("per_row", 200, True, 100, "wide", 3)])  # tiles of 3 chunks, the ends kernel's chunk wider than a tile (its
-# listing's 3 chunks of one), a tile's keys per band of the cut octave counted over several chunks
+    ("per_row", 200, True, 100, "wide", 3)])  # tiles of 3 chunks, the ends kernel's chunk wider than a tile, a tile's
+# keys per band of the cut octave counted over several chunks
 def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypatch):
     """The fast selection over `centroid_scores`' bands: the score bands above the cut whole, the cut band's clusters
     in cluster order until the budget is met; over several tiles of clusters (the interpreter's tiles hold 16), with
@@ -356,7 +356,6 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
         monkeypatch.setattr("vllm_duo.kernels.selection._score_split",
                             lambda rows, clusters, block_c, device: (chunks, -(-clusters // (chunks * block_c))))
         monkeypatch.setattr("vllm_duo.kernels.selection.OCTAVE_SCAN_CLUSTERS", 16)
-        monkeypatch.setattr("vllm_duo.kernels.selection.PAGE_CLUSTERS", 16)  # a tile's clusters listed in 3 chunks
     num_reqs, R = 4, 3
     lengths = [150, 7, 93, 164]
     num_contexts = 2 if shared else num_reqs
@@ -393,11 +392,9 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     # request 1 decodes without a context: no list; shared, at a context end but with context id -1 (a plan serving
     # never makes) its sinks alone, none of another context's positions
     for ends in ([48, 0, 32, 64], [48, 16, 32, 64]):
-        listed_runs, lists = band_pages(scored, offsets, positions, budget, max_selected, contexts,
-                                        torch.tensor(ends, dtype=torch.int32), table, layer, cache)
-        assert torch.equal(listed_runs.counts, runs.counts) and torch.equal(listed_runs.above, runs.above)
-        assert torch.equal(listed_runs.ends[read], runs.ends[read])  # rows without a context write no ends
-        assert_lists_read(lists, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
+        pages = run_pages(runs, positions, contexts, torch.tensor(ends, dtype=torch.int32), table, layer, cache,
+                          max_selected)
+        assert_lists_read(pages, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
                                                  if ends[req] else [] for head in range(R)] for req in range(num_reqs)])
 
 
@@ -531,19 +528,12 @@ class FlashPasses(NamedTuple):
     stream: torch.Tensor | None
 
 
-def row_lists(selected: torch.Tensor, counts: torch.Tensor, context_ends: torch.Tensor, block_table: torch.Tensor,
-              heads: LayerHeads, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`band_pages`' lists of `selected`'s first `counts` positions of each row `[num_reqs, R]`, in PyTorch: each
-    squeezed row's sinks, then those, as rows of `cache` (FlashAttention's passes over a chosen selection)."""
-    num_reqs, R, width = selected.shape
-    sinks = torch.arange(heads.sink, device=selected.device).expand(num_reqs, R, -1)
-    positions = torch.cat([sinks, selected.long()], -1)  # [num_reqs, R, sink + width]
-    block = block_table.long().gather(1, (positions // cache.shape[2] * heads.stride).flatten(1)).view_as(positions)
-    rows = (block * (cache.stride(0) // cache.shape[-1]) + positions % cache.shape[2] * (cache.stride(2)
-            // cache.shape[-1]) + torch.arange(R, device=selected.device)[:, None])
-    lens = torch.where(context_ends[:, None] > 0, heads.sink + counts, 0).flatten()
-    starts = torch.arange(num_reqs * R + 1, dtype=torch.int32, device=selected.device)
-    return rows.flatten(0, 1).int(), lens.int(), starts
+def one_cluster_runs(selected: torch.Tensor, counts: torch.Tensor) -> BandRuns:
+    """Runs that select `selected`'s first `counts` positions of each row `[num_reqs, R]`, in order: each row its own
+    context (no context ids) of one cluster, `selected` itself, wholly above the cut."""
+    zeros = torch.zeros_like(counts)
+    return BandRuns(counts, torch.stack([counts, zeros], -1)[..., None].contiguous(), counts,
+                    torch.stack([zeros, counts], -1).contiguous())
 
 
 def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPasses:
@@ -568,7 +558,8 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
              for _ in range(heads.num_retrieval)] for e in ends]
     selected, counts = (x.to(case.device) for x in selection(case, rows))
     context_ends = torch.tensor(ends, dtype=torch.int32, device=case.device)
-    lists = row_lists(selected, counts, context_ends, case.block_table, heads, cache)
+    lists = run_pages(one_cluster_runs(selected, counts), selected, None, context_ends, case.block_table, heads, cache,
+                      selected.shape[-1])
     retrieval_table = case.block_table[:, ::heads.stride].contiguous()
     window_table = torch.zeros_like(retrieval_table)
     window_pages(retrieval_table, context_ends, p.block_size, window_table)
@@ -690,7 +681,7 @@ def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, monkeypatch):
 
 def assert_lists_read(lists, cache: torch.Tensor, table: torch.Tensor, listed: list[list[list[int]]],
                       stride: int = 1) -> None:
-    """`band_pages`' lists (pages, lens, starts) name, through `row_views`, the K and V of `listed[req][head]`'s
+    """`run_pages`' lists (pages, lens, starts) name, through `row_views`, the K and V of `listed[req][head]`'s
     positions of retrieval head `head`, in order (`table` has `stride` columns per token block)."""
     pages, lens, starts = lists
     k_rows, v_rows = row_views(cache)
@@ -706,24 +697,18 @@ def assert_lists_read(lists, cache: torch.Tensor, table: torch.Tensor, listed: l
         assert torch.equal(v_rows[ids, 0, 0], cache[block, 1, positions % block_size, head])
 
 
-def test_band_pages_index_the_cache_rows_through_its_strides():
+def test_run_pages_index_the_cache_rows_through_its_strides():
     """Row ids and views where the cache's blocks are further apart than their K/V (a layer's view into a shared
-    buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection; the
-    same as `row_lists` makes in PyTorch."""
-    query, heads, starts = scoring_batch(4, 2, [0, 2], [1, 1])  # R 2, stride 2 (a streaming group per block), sink 4
+    buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection."""
+    heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, stride 2 (a streaming page group per block), sink 3
     buffer = torch.randn(7, 3, 16, 2, 32)
     cache = buffer[:, :2]  # blocks 3 x 16 x 2 rows apart, K/V 16 x 2
-    table = torch.randperm(14, dtype=torch.int32)[None, :].reshape(2, 7) % 7  # token blocks 0-3 at columns 0-6
-    offsets, positions = clustered(2, 2, [50, 64], 8)
-    scored = centroid_scores(query, torch.randn(2, 2, 8, 32), offsets.diff(dim=-1), heads, starts, 0.3)
-    budget = torch.tensor([[20, 50], [5, 70]], dtype=torch.int32)
-    for ends in ([48, 64], [0, 64]):  # the first row without a context lists nothing
-        context_ends = torch.tensor(ends, dtype=torch.int32)
-        runs, lists = band_pages(scored, offsets, positions, budget, 60, None, context_ends, table, heads, cache)
-        selected, counts = gather_positions(runs, positions, 60)
-        listed = [[list(range(heads.sink)) + selected[req, head, :counts[req, head]].tolist() if ends[req] else []
-                   for head in range(2)] for req in range(2)]
-        assert_lists_read(lists, cache, table, listed, stride=2)
-        pages, lens, starts_ = row_lists(selected, counts, context_ends, table, heads, cache)
-        assert torch.equal(lens, lists[1]) and torch.equal(starts_, lists[2])
-        assert all(torch.equal(lists[0][i, :n], pages[i, :n]) for i, n in enumerate(lens.tolist()))
+    table = torch.randperm(14, dtype=torch.int32)[None, :].reshape(2, 7) % 7
+    selected = torch.tensor([[[40, 17, 5], [9, 0, 0]], [[50, 3, 3], [60, 61, 20]]], dtype=torch.int32)
+    counts = torch.tensor([[3, 1], [2, 3]], dtype=torch.int32)
+    runs = one_cluster_runs(selected, counts)
+    listed = [[[0, 1, 2] + selected[req, head, :counts[req, head]].tolist() for head in range(2)] for req in range(2)]
+    assert_lists_read(run_pages(runs, selected, None, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache,
+                                3), cache, table, listed, stride=2)
+    lists = run_pages(runs, selected, None, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache, 3)
+    assert_lists_read(lists, cache, table, [[[], []], listed[1]], stride=2)  # a row without a context lists nothing

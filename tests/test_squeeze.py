@@ -14,7 +14,7 @@ from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.reference import read_retrieval
-from vllm_duo.kernels.selection import band_runs, gather_positions
+from vllm_duo.kernels.selection import gather_positions
 from vllm_duo.squeeze import FP8_CENTROIDS, ClusteredContexts, SqueezeRows, SqueezeSettings, centroid_dtype
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
@@ -38,10 +38,8 @@ def built(case, cache, settings: SqueezeSettings, layer: int = 0,
 
 def select(contexts: ClusteredContexts, query, heads, query_start_loc, context_ids, budget, scale,
            max_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 0's selection as decode makes it (`ClusteredContexts.scores`, then the runs), as positions and counts."""
-    scored = contexts.scores(0, query, heads, query_start_loc, context_ids, scale)
-    runs = band_runs(scored, contexts.offsets[0], budget[:, None].expand(-1, heads.num_retrieval), max_selected,
-                     context_ids)
+    """Layer 0's selection as decode makes it (`ClusteredContexts.runs`), as positions and counts."""
+    runs = contexts.runs(0, query, heads, query_start_loc, context_ids, budget, scale, max_selected)
     return gather_positions(runs, contexts.positions[0], max_selected, context_ids)
 
 

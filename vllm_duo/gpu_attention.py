@@ -237,7 +237,7 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[
                             query_start_loc: torch.Tensor, scale: float, output: torch.Tensor,
                             quant: KVQuant | None) -> None:
     """The squeeze's second pass: FlashAttention over pages of one cache row listing each squeezed row's sinks and
-    selected keys per retrieval head (`row_pages.band_pages`' lists), merged into `output` with the window pass that
+    selected keys per retrieval head (`row_pages.run_pages`' lists), merged into `output` with the window pass that
     `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries`, and `window_lse()` its log-sum-exp
     once the merge may read it: where the window pass runs on another stream, the call joins it).
 

@@ -60,8 +60,8 @@ from vllm_duo.config import SqueezeSettings
 from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, cluster_radii, to_csr
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, read_retrieval
-from vllm_duo.kernels.row_pages import band_pages
-from vllm_duo.kernels.selection import ClusterScores, band_runs, centroid_scores, gather_positions
+from vllm_duo.kernels.row_pages import run_pages
+from vllm_duo.kernels.selection import BandRuns, band_runs, centroid_scores, gather_positions
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
 FP8_CENTROIDS = torch.float8_e4m3fn  # the centroids' dtype beside an fp8 (e4m3) KV cache
@@ -302,18 +302,14 @@ class ClusteredContexts:
                attend: Callable[..., None] | None = None) -> None:
         """The retrieval heads of the rows that read a context, by the Triton kernels: their lookup, then attention
         over sinks, selected keys and window, written into `output`; other rows are left as they are. `attend`
-        (pages, lens, starts, context_ends: `row_pages.band_pages`' lists of the sinks and selected keys) attends
+        (pages, lens, starts, context_ends: `row_pages.run_pages`' lists of the sinks and selected keys) attends
         them where FlashAttention has read the window (gpu_attention.selected_rows_attention); None: the Triton
         sparse decode reads all of it. Fixed shapes and no host syncs: CUDA-graph capturable."""
         max_selected = self.settings.max_selected()
-        scored = self.scores(layer, query, heads, query_start_loc, rows.context_ids, scale)
-        budget = rows.budget[:, None].expand(-1, heads.num_retrieval)
+        runs = self.runs(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale, max_selected)
         if attend is not None:
-            runs, lists = band_pages(scored, self.offsets[layer], self.positions[layer], budget, max_selected,
-                                     rows.context_ids, rows.context_ends, block_table, heads, cache)
-            attend(*lists, rows.context_ends)
-        else:
-            runs = band_runs(scored, self.offsets[layer], budget, max_selected, rows.context_ids)
+            attend(*run_pages(runs, self.positions[layer], rows.context_ids, rows.context_ends, block_table, heads,
+                              cache, max_selected), rows.context_ends)
         if attend is None or self.settings.count_reads:
             selected, counts = gather_positions(runs, self.positions[layer], max_selected, rows.context_ids)
             if attend is None:
@@ -360,9 +356,12 @@ class ClusteredContexts:
         read, there = self.reads.tolist()
         return read / there if there else None
 
-    def scores(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
-               context_ids: torch.Tensor, scale: float) -> ClusterScores:
-        """Each decoding request's scores of its context's clusters (`selection.centroid_scores` with the layer's
-        centroid scales and radii; `context_ids` `[num_reqs]` int32 slots): what its selection cuts by."""
-        return centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
-                               context_ids, self.scales_of(layer), self.radii[layer], self.settings.radius_weight)
+    def runs(self, layer: int, query: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
+             context_ids: torch.Tensor, budget: torch.Tensor, scale: float, max_selected: int) -> BandRuns:
+        """What each decoding request's retrieval heads read beyond the sinks and window, as runs of clusters
+        (`selection.band_runs`): its context's best score bands of clusters (`context_ids` `[num_reqs]` int32 slots)
+        to `budget` `[num_reqs]` keys (less than one cluster more), cut at `max_selected`."""
+        R = heads.num_retrieval
+        scores = centroid_scores(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
+                                 context_ids, self.scales_of(layer), self.radii[layer], self.settings.radius_weight)
+        return band_runs(scores, self.offsets[layer], budget[:, None].expand(-1, R), max_selected, context_ids)
