@@ -5,9 +5,9 @@
 Scores come from each request's last query token, reduced over the GQA group by max (a KV head's keys serve all of
 its query heads, so a cluster or page counts if any of them wants it). Two selections of clusters: `select_positions`
 (torch, by sorting: the best clusters to the budget, the rule the CPU studies used) and `select_banded` (Triton, by
-score bands below each row's best to the budget, no sort: the one decode serves, over the keys per octave of bands
-that `centroid_scores` counts). Both, and `select_pages`, have fixed shapes and no host syncs (CUDA-graph
-capturable) and emit the `[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that
+score bands below each row's best to the budget, no sort: the one decode serves, over the keys per band and per
+octave of bands that `centroid_scores` counts). Both, and `select_pages`, have fixed shapes and no host syncs
+(CUDA-graph capturable) and emit the `[num_reqs, R, max_selected]` positions and `[num_reqs, R]` counts that
 `sparse_decode_attention` takes.
 """
 
@@ -61,22 +61,26 @@ def _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, s
 
 @triton.jit(do_not_specialize=["num_clusters"])
 def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes_ptr, radii_ptr, context_ids_ptr,
-                            logits_ptr, part_m_ptr, part_l_ptr, retrieval_kv_ptr, query_start_loc_ptr, qk_scale,
-                            radius_scale, num_clusters,
+                            logits_ptr, part_m_ptr, part_l_ptr, band_keys_ptr, retrieval_kv_ptr, query_start_loc_ptr,
+                            qk_scale, radius_scale, num_clusters,
                             stride_qt: tl.int64, stride_qh: tl.int64, stride_cx: tl.int64, stride_ch: tl.int64,
                             stride_cn: tl.int64, stride_gx: tl.int64, stride_gh: tl.int64, stride_nx: tl.int64,
                             stride_nh: tl.int64, stride_lr: tl.int64, stride_lh: tl.int64, stride_lg: tl.int64,
-                            stride_pr: tl.int64, stride_ph: tl.int64, stride_pt: tl.int64,
+                            stride_pr: tl.int64, stride_ph: tl.int64, stride_pt: tl.int64, stride_br: tl.int64,
+                            stride_bh: tl.int64, stride_bt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr,
-                            SCALED: tl.constexpr, RADII: tl.constexpr):
+                            SCALED: tl.constexpr, RADII: tl.constexpr, BANDS: tl.constexpr):
     """Grid (num_reqs, R, tiles): the base-2 logits of one tile of TILE_CHUNKS x BLOCK_C clusters per query head of
     the group (-inf for empty clusters), and the tile's softmax partials: the running max and the sum of
-    N_j exp2(s_j - max) per query head. SCALED: the centroids are stored divided by their (context, head)'s scale.
-    RADII: each logit gains radius_scale x |q| x the cluster's radius (radii laid out as sizes)."""
+    N_j exp2(s_j - max) per query head; zeroes the tile's keys per band, which the scores kernel adds to.
+    SCALED: the centroids are stored divided by their (context, head)'s scale. RADII: each logit gains
+    radius_scale x |q| x the cluster's radius (radii laid out as sizes)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
+    tl.store(band_keys_ptr + req * stride_br + head * stride_bh + tile * stride_bt + tl.arange(0, BANDS),
+             tl.zeros([BANDS], tl.int32))
     context = _context_of(context_ids_ptr, req, CONTEXTS)
     if context < 0:
         return
@@ -111,9 +115,8 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
 
 
 SCORE_BANDS = 256  # bands of 12.5% below a row's top band, the last holding every score 2^-32 below or lower
-BAND_OCTAVE = 8  # bands per octave: the scores kernel counts keys per octave (32), the ends kernel splits the cut one
+BAND_OCTAVE = 8  # bands per octave: the ends kernel finds the cut octave (of 32), then the cut band within it
 BAND_COUNT_CLUSTERS = 64  # clusters the scores kernel counts into octaves at once: a [64, 32] one-hot
-OCTAVE_SCAN_CLUSTERS = 256  # the octave bands kernel's chunk when it counts a tile's keys per band of the cut octave
 
 
 @triton.jit
@@ -129,17 +132,20 @@ def _score_band(scores, top_band, BANDS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
 def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, context_ids_ptr, scores_ptr,
-                            top_bands_ptr, band_keys_ptr, num_clusters, num_tiles,
+                            top_bands_ptr, octave_keys_ptr, band_keys_ptr, num_clusters, num_tiles,
                             stride_lr: tl.int64, stride_lh: tl.int64, stride_lg: tl.int64, stride_pr: tl.int64,
                             stride_ph: tl.int64, stride_pt: tl.int64, stride_nx: tl.int64, stride_nh: tl.int64,
                             stride_or: tl.int64, stride_oh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
-                            stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64,
+                            stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_br: tl.int64,
+                            stride_bh: tl.int64, stride_bt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
                             BLOCK_T: tl.constexpr, BANDS: tl.constexpr, OCTAVE: tl.constexpr,
                             CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): each query head's denominator from all tiles' partials, then the tile's scores
     exp2(s_j - max) / denominator, max over the group (0 for a request without context), and the tile's keys per
-    octave of bands (`_score_band` // BAND_OCTAVE; one-hot sums: no atomics, nothing to zero first). The bands count
+    octave of bands (one-hot sums) and per band (`_score_band`; added to the counts the logits kernel zeroed, by
+    atomics: several clusters of a chunk fall in one band, and a [clusters, 256] one-hot takes ~2 registers a
+    cluster per thread, against ~0.5 for [clusters, 32]). The bands count
     down from the row's top band, known without the other tiles' scores: each query head's best cluster scores
     exp2(0) / denominator, so the row's highest score is the largest of those, bit for bit. Tile 0 stores the top
     band."""
@@ -167,6 +173,7 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
     size_row = sizes_ptr + tl.maximum(context, 0) * stride_nx + head * stride_nh
     octaves = tl.arange(0, BANDS // OCTAVE)
     octave_keys = tl.zeros([BANDS // OCTAVE], tl.int32)
+    band_row = band_keys_ptr + req * stride_br + head * stride_bh + tile * stride_bt
     for chunk in range(TILE_CHUNKS):
         offs_c = (tile * TILE_CHUNKS + chunk) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_read = offs_c < clusters_read
@@ -175,9 +182,11 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
         score = tl.max(tl.where(in_group[:, None], tl.exp2(s - m_safe[:, None]) / denom[:, None], 0.0), 0)
         tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, score, mask=offs_c < num_clusters)
         size = tl.load(size_row + offs_c, mask=c_read, other=0).to(tl.int32)
-        in_octave = (_score_band(score, top_band, BANDS) // OCTAVE)[:, None] == octaves[None, :]
+        band = _score_band(score, top_band, BANDS)
+        in_octave = (band // OCTAVE)[:, None] == octaves[None, :]
         octave_keys += tl.sum(tl.where(in_octave, size[:, None], 0), 0)
-    tl.store(band_keys_ptr + req * stride_kr + head * stride_kh + tile * stride_kt + octaves, octave_keys)
+        tl.atomic_add(band_row + band, size, mask=size > 0, sem="relaxed")
+    tl.store(octave_keys_ptr + req * stride_kr + head * stride_kh + tile * stride_kt + octaves, octave_keys)
 
 
 @triton.jit(do_not_specialize=["num_pages", "stride"])
@@ -214,12 +223,13 @@ def _score_tiles(device: torch.device) -> int:
 
 class ClusterScores(NamedTuple):
     """`centroid_scores`' result: the scores, and what `select_banded` cuts by: each row's top band (the float32
-    bits >> 20 of its highest score) and each tile's keys per octave of bands below it (`_score_band` //
-    BAND_OCTAVE), the tiles `tile_clusters` clusters each."""
+    bits >> 20 of its highest score) and each tile's keys per band below it (`_score_band`) and per octave of bands
+    (band // BAND_OCTAVE), the tiles `tile_clusters` clusters each."""
 
     scores: torch.Tensor  # [num_reqs, R, C] float32
     top_bands: torch.Tensor  # [num_reqs, R] int32
-    band_keys: torch.Tensor  # [num_reqs, R, tiles, SCORE_BANDS // BAND_OCTAVE] int32
+    octave_keys: torch.Tensor  # [num_reqs, R, tiles, SCORE_BANDS // BAND_OCTAVE] int32
+    band_keys: torch.Tensor  # [num_reqs, R, tiles, SCORE_BANDS] int32
     tile_clusters: int
 
 
@@ -235,8 +245,9 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     brings decode's next-token distribution 3-100x closer to duo's at equal keys read: `SqueezeSettings`).
 
     Two launches, each over (request, head, tile of clusters): the logits with each tile's softmax partials, then
-    the scores and the tile's keys per octave of bands from every tile's partials. Tiles spread a context's
-    centroids over the whole GPU: a batch of 4 requests has only 4 R (request, head) rows, far fewer than the SMs.
+    the scores and the tile's keys per band and per octave of bands from every tile's partials. Tiles spread a
+    context's centroids over the whole GPU: a batch of 4 requests has only 4 R (request, head) rows, far fewer than
+    the SMs.
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`.
@@ -262,14 +273,15 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     device = query.device
     block_c = _score_tiles(device)
     chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
-    # the kernels write every score, top band and band count
+    # the kernels write every score, top band and key count
     scored = ClusterScores(torch.empty(num_reqs, R, C, dtype=torch.float32, device=device),
                            torch.empty(num_reqs, R, dtype=torch.int32, device=device),
                            torch.empty(num_reqs, R, tiles, SCORE_BANDS // BAND_OCTAVE, dtype=torch.int32,
                                        device=device),
+                           torch.empty(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device),
                            chunks * block_c)
     if query.shape[0] == 0 or num_reqs == 0 or R == 0 or C == 0:
-        for tensor in scored[:3]:
+        for tensor in scored[:4]:
             tensor.zero_()
         return scored
     if centroids.shape[1] != R or centroids.shape[-1] != query.shape[-1] or centroids.stride(-1) != 1:
@@ -287,17 +299,18 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     contexts = scores if context_ids is None else context_ids
     _centroid_logits_kernel[(num_reqs, R, tiles)](
         query, centroids, scales, sizes, scores if radii is None else radii, contexts, logits, part_m, part_l,
-        heads.retrieval_kv, query_start_loc, scale * LOG2E, radius_weight * scale * LOG2E, C, *query.stride()[:2],
-        *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3],
-        *part_m.stride()[:3],
+        scored.band_keys, heads.retrieval_kv, query_start_loc, scale * LOG2E, radius_weight * scale * LOG2E, C,
+        *query.stride()[:2], *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3],
+        *part_m.stride()[:3], *scored.band_keys.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
-        SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, num_warps=4)
+        SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, BANDS=SCORE_BANDS,
+        num_warps=4)
     count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
     _centroid_scores_kernel[(num_reqs, R, tiles)](
-        logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.band_keys, C, tiles,
-        *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
-        *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
+        logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.octave_keys, scored.band_keys, C,
+        tiles, *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
+        *scored.top_bands.stride(), *scored.octave_keys.stride()[:3], *scored.band_keys.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=count_c, TILE_CHUNKS=chunks * block_c // count_c,
         BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None,
         num_warps=4)
@@ -414,54 +427,21 @@ def _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS: tl.co
 
 
 @triton.jit
-def _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr, stride_kh, stride_kt, stride_br,
+def _cut_octave(octave_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr, stride_kh, stride_kt, stride_br,
                 stride_bh, BLOCK_T: tl.constexpr, OCTAVES: tl.constexpr):
     """A row's cut octave (the best whose keys and those of every better octave reach the row's budget; the last if
     none does) from every tile's keys per octave -> (cut octave, those keys `[BLOCK_T, OCTAVES]`, the budget)."""
     octaves = tl.arange(0, OCTAVES)
     offs_t = tl.arange(0, BLOCK_T)
-    octave_keys = tl.load(band_keys_ptr + req * stride_kr + head * stride_kh + offs_t[:, None] * stride_kt
+    octave_keys = tl.load(octave_keys_ptr + req * stride_kr + head * stride_kh + offs_t[:, None] * stride_kt
                           + octaves[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
     budget = tl.load(budget_ptr + req * stride_br + head * stride_bh).to(tl.int32)
     cut_octave = tl.min(tl.where(tl.cumsum(tl.sum(octave_keys, 0), 0) >= budget, octaves, OCTAVES - 1), 0)
     return cut_octave, octave_keys, budget
 
 
-@triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
-def _octave_bands_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, offsets_ptr, context_ids_ptr, budget_ptr,
-                         fine_keys_ptr, num_clusters, num_tiles,
-                         stride_sr: tl.int64, stride_sh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
-                         stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_ox: tl.int64,
-                         stride_oh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64, stride_fr: tl.int64,
-                         stride_fh: tl.int64, stride_ft: tl.int64,
-                         TILE: tl.constexpr, SCAN: tl.constexpr, BLOCK_T: tl.constexpr, BANDS: tl.constexpr,
-                         OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, tiles): the row's cut octave, then this tile's keys in it per band (OCTAVE bands, SCAN
-    clusters at a time): what the ends kernel splits the cut octave by. Rows without a context write nothing (the
-    ends kernel reads none)."""
-    req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    context = _context_of(context_ids_ptr, req, CONTEXTS)
-    if context < 0:
-        return
-    cut_octave, _, _ = _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr, stride_kh, stride_kt,
-                                   stride_br, stride_bh, BLOCK_T, BANDS // OCTAVE)
-    top_band = tl.load(top_bands_ptr + req * stride_tr + head * stride_th)
-    scores_row = scores_ptr + req * stride_sr + head * stride_sh
-    offsets_row = offsets_ptr + context * stride_ox + head * stride_oh
-    fine = tl.arange(0, OCTAVE)
-    fine_keys = tl.zeros([OCTAVE], tl.int32)
-    tile_end = tl.minimum((tile + 1) * TILE, num_clusters)
-    for start in range(0, TILE, SCAN):
-        offs_c = tile * TILE + start + tl.arange(0, SCAN)
-        ok = offs_c < tile_end
-        band, size = _bands_and_sizes(scores_row, offsets_row, offs_c, ok, top_band, BANDS)
-        hit = (ok & (band // OCTAVE == cut_octave))[:, None] & ((band % OCTAVE)[:, None] == fine[None, :])
-        fine_keys += tl.sum(tl.where(hit, size[:, None], 0), 0)
-    tl.store(fine_keys_ptr + req * stride_fr + head * stride_fh + tile * stride_ft + fine, fine_keys)
-
-
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles", "max_selected"])
-def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, offsets_ptr, context_ids_ptr,
+def _band_ends_kernel(scores_ptr, top_bands_ptr, octave_keys_ptr, band_keys_ptr, offsets_ptr, context_ids_ptr,
                       budget_ptr, above_ptr, ends_ptr, counts_ptr, num_clusters, num_tiles, max_selected,
                       stride_sr: tl.int64, stride_sh: tl.int64, stride_tr: tl.int64, stride_th: tl.int64,
                       stride_kr: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64, stride_fr: tl.int64,
@@ -472,13 +452,13 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
                       OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): `centroid_scores`' tiles of TILE clusters. Each program finds the row's cut band
     (the best band whose keys and those of every better band reach the budget; the last if none does) in two steps:
-    the cut octave from every tile's keys per octave, then the cut band within it from every tile's keys per band
-    of that octave (`_octave_bands_kernel`). It then writes, for each cluster of its tile, where its keys end in the
-    row's two runs, inclusive running sums over all clusters in cluster order: `ends[.., 0, c]` of the sizes above
-    the cut, `ends[.., 1, c]` of the sizes in the cut band. The cut band's clusters are taken while the keys before
-    them are fewer than the row's need, so its run ends at the first that meets it: the program holding that one
-    writes the count; where none does (all of them taken, or none needed) tile 0's program writes it, and always the
-    keys above the cut."""
+    the cut octave from every tile's keys per octave, then the cut band within it from every tile's keys in that
+    octave's bands (both counted by `_centroid_scores_kernel`). It then writes, for each cluster of its tile, where
+    its keys end in the row's two runs, inclusive running sums over all clusters in cluster order: `ends[.., 0, c]`
+    of the sizes above the cut, `ends[.., 1, c]` of the sizes in the cut band. The cut band's clusters are taken
+    while the keys before them are fewer than the row's need, so its run ends at the first that meets it: the
+    program holding that one writes the count; where none does (all of them taken, or none needed) tile 0's program
+    writes it, and always the keys above the cut."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
     row = req * stride_cr + head * stride_ch
@@ -487,7 +467,7 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
         tl.store(above_ptr + row, 0, mask=first)
         tl.store(counts_ptr + row, 0, mask=first)
         return
-    cut_octave, octave_keys, budget = _cut_octave(band_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr,
+    cut_octave, octave_keys, budget = _cut_octave(octave_keys_ptr, budget_ptr, req, head, num_tiles, stride_kr,
                                                   stride_kh, stride_kt, stride_br, stride_bh, BLOCK_T, BANDS // OCTAVE)
     octaves = tl.arange(0, BANDS // OCTAVE)
     offs_t = tl.arange(0, BLOCK_T)
@@ -496,8 +476,8 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, band_keys_ptr, fine_keys_ptr, o
     octaves_before = tl.sum(tl.sum(tl.where((offs_t < tile)[:, None] & (octaves < cut_octave)[None, :], octave_keys,
                                             0), 1), 0)
     fine = tl.arange(0, OCTAVE)  # the cut octave's keys per band: the row's, the tiles' before this one
-    tile_fine = tl.load(fine_keys_ptr + req * stride_fr + head * stride_fh + offs_t[:, None] * stride_ft
-                        + fine[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
+    tile_fine = tl.load(band_keys_ptr + req * stride_fr + head * stride_fh + offs_t[:, None] * stride_ft
+                        + cut_octave * OCTAVE + fine[None, :], mask=(offs_t < num_tiles)[:, None], other=0)
     fine_keys = tl.sum(tile_fine, 0)
     fine_before = tl.sum(tl.where((offs_t < tile)[:, None], tile_fine, 0), 0)
     cut_fine = tl.min(tl.where(above_octaves + tl.cumsum(fine_keys, 0) >= budget, fine, OCTAVE - 1), 0)
@@ -595,7 +575,7 @@ def select_banded(scored: ClusterScores, cluster_offsets: torch.Tensor, cluster_
         budget 8: band 0 holds 5 keys, bands 0 and 1 11: cut 1, need 3: cluster 1, then cluster 2 (0 before it
         < 3), cluster 3 (2 < 3); positions of 1, 2, 3, count 11; with budget 7: clusters 1 and 2, count 7
 
-    Three launches, neither zeroing nor atomics: the two of `band_runs`, then the positions, each output slot finding
+    Two launches, neither zeroing nor atomics: `band_runs`', then the positions, each output slot finding
     its cluster by a binary search of the runs' ends (`row_pages.run_pages` makes FlashAttention's page lists from
     the runs instead, in one launch).
 
@@ -636,10 +616,9 @@ class BandRuns(NamedTuple):
 
 def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torch.Tensor, max_selected: int,
               context_ids: torch.Tensor | None = None) -> BandRuns:
-    """What `select_banded` takes of each row, as the runs of its clusters: two launches, per tile of clusters its
-    keys per band of the row's cut octave (the best octave to the budget, from every tile's keys per octave that
-    `centroid_scores` counted); per tile, the cut band from every tile's of those, and the running ends of the two
-    runs. Arguments as `select_banded`'s."""
+    """What `select_banded` takes of each row, as the runs of its clusters: one launch, per tile of clusters the
+    row's cut band (from every tile's keys per octave, then per band of the cut octave, that `centroid_scores`
+    counted) and the running ends of the two runs. Arguments as `select_banded`'s."""
     scores = scored.scores
     num_reqs, R, C = scores.shape
     device = scores.device
@@ -650,21 +629,14 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
     if num_reqs == 0 or R == 0 or C == 0:
         return BandRuns(above.zero_(), ends, counts.zero_(), offsets)
     tiles = scored.band_keys.shape[2]
-    contexts = scores if context_ids is None else context_ids  # without context ids the kernels read none
-    fine_keys = torch.empty(num_reqs, R, tiles, BAND_OCTAVE, dtype=torch.int32, device=device)
-    tile, block_t = scored.tile_clusters, triton.next_power_of_2(tiles)
-    _octave_bands_kernel[(num_reqs, R, tiles)](
-        scores, scored.top_bands, scored.band_keys, offsets, contexts, budget, fine_keys, C, tiles,
-        *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3], *offsets.stride()[:2],
-        *budget.stride(), *fine_keys.stride()[:3],
-        TILE=tile, SCAN=min(OCTAVE_SCAN_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=block_t, BANDS=SCORE_BANDS,
-        OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
+    contexts = scores if context_ids is None else context_ids  # without context ids the kernel reads none
+    tile = scored.tile_clusters
     _band_ends_kernel[(num_reqs, R, tiles)](
-        scores, scored.top_bands, scored.band_keys, fine_keys, offsets, contexts, budget, above, ends, counts, C,
-        tiles, max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.band_keys.stride()[:3],
-        *fine_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
-        TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=block_t, BANDS=SCORE_BANDS,
-        OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
+        scores, scored.top_bands, scored.octave_keys, scored.band_keys, offsets, contexts, budget, above, ends, counts,
+        C, tiles, max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.octave_keys.stride()[:3],
+        *scored.band_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
+        TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=triton.next_power_of_2(tiles),
+        BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
     return BandRuns(above, ends, counts, offsets)
 
 

@@ -27,10 +27,9 @@ from vllm_duo.kernels.clustering import NEAREST_TILE, _nearest_centre_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS,
-                                         OCTAVE_SCAN_CLUSTERS, SCORE_BANDS, _band_ends_kernel, _band_gather_kernel,
-                                         _centroid_logits_kernel, _centroid_scores_kernel, _octave_bands_kernel,
-                                         _page_scores_kernel, _score_tiles)
+from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS, SCORE_BANDS,
+                                         _band_ends_kernel, _band_gather_kernel, _centroid_logits_kernel,
+                                         _centroid_scores_kernel, _page_scores_kernel, _score_tiles)
 from vllm_duo.kernels.row_pages import PAGE_SLOTS, _merge_rows_kernel, _run_pages_kernel
 from vllm_duo.kernels.sparse_decode import _sparse_decode_kernel, _sparse_merge_kernel
 
@@ -142,7 +141,8 @@ def cases():
         common = dict(G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"])
         if variants & {"scores", "logits"}:  # fp8 centroids with their scales beside an fp8 cache
             yield (f"centroid logits {tag}", _centroid_logits_kernel, model, cache,
-                   dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True, SCALED=bool(fp8), RADII=True), {})
+                   dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True, SCALED=bool(fp8), RADII=True,
+                        BANDS=SCORE_BANDS), {})
         if "scores" in variants:
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
                    dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=BAND_COUNT_CLUSTERS, TILE_CHUNKS=16, BLOCK_T=64,
@@ -152,9 +152,6 @@ def cases():
                 ends = dict(TILE=clusters, BLOCK_E=min(BAND_CLUSTERS, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
                             OCTAVE=BAND_OCTAVE, CONTEXTS=True)
                 yield f"band ends {tag} tile {clusters}", _band_ends_kernel, model, cache, ends, {}
-                octave = dict(TILE=clusters, SCAN=min(OCTAVE_SCAN_CLUSTERS, clusters), BLOCK_T=64, BANDS=SCORE_BANDS,
-                              OCTAVE=BAND_OCTAVE, CONTEXTS=True)
-                yield f"octave bands {tag} tile {clusters}", _octave_bands_kernel, model, cache, octave, {}
             yield (f"band gather {tag}", _band_gather_kernel, model, cache,
                    dict(OUT_W=GATHER_SLOTS, SEARCH_STEPS=14, CONTEXTS=True), {})
             block_t, block_c, warps = NEAREST_TILE

@@ -16,8 +16,8 @@ from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
 from vllm_duo.kernels.row_pages import row_views, run_pages
-from vllm_duo.kernels.selection import (BandRuns, band_runs, centroid_scores, gather_positions, page_scores,
-                                         select_banded, select_pages, select_positions)
+from vllm_duo.kernels.selection import (BAND_OCTAVE, BandRuns, band_runs, centroid_scores, gather_positions,
+                                         page_scores, select_banded, select_pages, select_positions)
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
 # decode batches: GQA 3 with contexts within the sinks and window, MHA with a one-token context, graph padding
@@ -263,7 +263,8 @@ def test_centroid_scores(group, query_lens, clusters, shared, dtype, fp8, radius
     if shared:
         assert (scores[3] == 0).all() and (scored.band_keys[3] == 0).all()  # no context
         row_sizes[3] = 0
-    assert torch.equal(scored.band_keys.sum((2, 3)), row_sizes.sum(-1))  # every key in one octave
+    assert torch.equal(scored.band_keys.sum((2, 3)), row_sizes.sum(-1))  # every key in one band
+    assert torch.equal(scored.octave_keys, scored.band_keys.unflatten(-1, (-1, BAND_OCTAVE)).sum(-1))
 
 
 def test_radius_picks_a_cluster_with_a_far_key():
@@ -355,7 +356,6 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     if chunks > 1:
         monkeypatch.setattr("vllm_duo.kernels.selection._score_split",
                             lambda rows, clusters, block_c, device: (chunks, -(-clusters // (chunks * block_c))))
-        monkeypatch.setattr("vllm_duo.kernels.selection.OCTAVE_SCAN_CLUSTERS", 16)
     num_reqs, R = 4, 3
     lengths = [150, 7, 93, 164]
     num_contexts = 2 if shared else num_reqs
