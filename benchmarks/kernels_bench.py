@@ -38,7 +38,8 @@ decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, 
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, the layer as served with the launch settings of the centroid kernels
-(programs per SM, clusters per tile; also their time alone) and of the row pass (FlashAttention's splits) varied.
+(programs per SM, clusters per tile, the logits kernel's warps and pipeline stages; also their time alone) and of the
+row pass (FlashAttention's splits) varied.
 
 Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode
 | --squeeze-sweep]
@@ -1092,6 +1093,11 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                           step(16, served=True))
             timed("centroid scores only (served: 4 programs per SM, tiles of 64)",
                   step(16, write=False, attend=False, select=False))
+            for warps, stages in ((2, 3), (8, 3), (4, 1), (4, 2), (4, 4), (8, 4)):
+                with patch.object(selection, "LOGITS_LAUNCH", dict(num_warps=warps, num_stages=stages)):
+                    timed(f"centroid scores only, logits in {warps} warps, {stages} stages",
+                          step(16, write=False, attend=False, select=False))
+                    timed(f"squeeze 1/16 as served, logits in {warps} warps, {stages} stages", step(16, served=True))
             coarse_c = triton.cdiv(T, 2 * KEYS_PER_CLUSTER)  # half the centroids: what the lookup costs then
             coarse = {R: clusters(R, torch.randint(0, coarse_c, (R, T), device=DEV),
                                   torch.randn(batch, R, coarse_c, HEAD_DIM, dtype=DTYPE, device=DEV))

@@ -305,7 +305,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
         SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, BANDS=SCORE_BANDS,
-        num_warps=4)
+        **LOGITS_LAUNCH)
     count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
     _centroid_scores_kernel[(num_reqs, R, tiles)](
         logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.octave_keys, scored.band_keys, C,
@@ -318,6 +318,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
 
 
 SCORE_PROGRAMS_PER_SM = 4  # the centroid kernels' programs per SM, at most 64 tiles per row
+LOGITS_LAUNCH = dict(num_warps=4, num_stages=3)  # the logits kernel's (3 stages: Triton's default on sm_90)
 
 
 def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.device) -> tuple[int, int]:
