@@ -49,6 +49,8 @@ test-newest: model
 
 # The no-engine group (much of it the single-threaded Triton interpreter) and test_bench (its time is vLLM processes
 # starting) run on WORKERS pytest-xdist workers; an engine module's float32 model work already takes every core.
+# test_bench's workers steal queued tests from each other (--dist worksteal): its four tests that run vLLM, minutes
+# each, come first in the module, and xdist's default scheduling would hand one worker three of them at once.
 WORKERS ?= 2
 SPREAD := tests/test_bench.py
 
@@ -56,7 +58,8 @@ run-tests:
 	@failed=""; no_engine="$(filter $(NO_ENGINE),$(MODULES))"; \
 	for modules in "$$no_engine" $(filter-out $(NO_ENGINE),$(MODULES)); do \
 	  [ -n "$$modules" ] || continue; \
-	  workers=""; case "$$modules" in "$$no_engine"|$(SPREAD)) workers="-n $(WORKERS)";; esac; \
+	  workers=""; case "$$modules" in "$$no_engine") workers="-n $(WORKERS)";; \
+	    $(SPREAD)) workers="-n $(WORKERS) --dist worksteal";; esac; \
 	  echo "== $$modules ($$(date +%T))"; \
 	  HF_HUB_OFFLINE=1 $(PY) -m pytest -q $$workers $$modules || failed="$$failed $$modules"; \
 	done; if [ -n "$$failed" ]; then echo "failed:$$failed" >&2; exit 1; fi

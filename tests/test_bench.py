@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`vllm-duo bench`: the tiny workload end to end on the CPU stack (dense and duo through vLLM's own `bench
-throughput`), plus the parts that need no vLLM run: commands, log parsing, overrides, failures, the report."""
+"""`vllm-duo bench`: the tiny workloads end to end on the CPU stack (dense and duo through vLLM's own `bench
+throughput`, a zigzag server and its `bench serve` clients, the chat client, the ceiling), plus the parts that need no
+vLLM run: commands, log parsing, overrides, failures, the report."""
 
 import dataclasses
 import json
@@ -41,9 +42,11 @@ def subprocess_env(monkeypatch):
 
 
 def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    """Dense and duo through `bench throughput`, on the offline shared-documents path, whose prompts reach vLLM as
+    token ids."""
     out = tmp_path / "results"
     start = time.monotonic()
-    code = cli.main(["bench", "--workloads", "tiny", "--model", smollm2_dir, "--sparsity", "0.5",
+    code = cli.main(["bench", "--workloads", "tiny_docs_full", "--model", smollm2_dir, "--sparsity", "0.5",
                      "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
     elapsed = time.monotonic() - start
     assert code == 0
@@ -54,8 +57,9 @@ def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     assert set(runs) == {"dense", "duo s=0.5"}
     for run in runs.values():
         assert run["status"] == "ok", run.get("log_tail")
+        assert "-m vllm_duo.tools.bench --pretokenized bench throughput" in run["command"]
         assert run["metrics"]["output_tok_s"] > 0 and run["metrics"]["total_tok_s"] > 0
-        assert run["kv_cache_tokens"] > 0 and run["max_concurrency"] > 0 and run["max_concurrency_len"] == 512
+        assert run["kv_cache_tokens"] > 0 and run["max_concurrency"] > 0 and run["max_concurrency_len"] == 1024
         assert run["device"] and run["vllm_version"] and run["torch_version"] and run["vllm_duo_commit"]
     duo_run, dense_run = runs["duo s=0.5"], runs["dense"]
     assert "--attention-backend duo" in duo_run["command"] and "--attention-backend" not in dense_run["command"]
@@ -64,44 +68,33 @@ def test_tiny_dense_vs_duo_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     assert duo_run["retrieval_ratio"] == pytest.approx(0.5, abs=0.1)
 
     report = (out / "results.md").read_text()
-    assert "## tiny" in report and "| duo s=0.5 |" in report and "duo/dense" in report
+    assert "## tiny_docs_full" in report and "| duo s=0.5 |" in report and "duo/dense" in report
     assert "(plots/maximum_concurrency_vs_sparsity.png)" in report
     assert (out / "plots" / "maximum_concurrency_vs_sparsity.png").stat().st_size > 0
     assert elapsed < 300, f"the tiny bench took {elapsed:.0f} s"  # 140 s alone on 2 cores, 190 beside another test
 
 
-def test_tiny_zigzag_on_cpu(smollm2_dir, tmp_path, subprocess_env):
-    """The zigzag side alone: its layer-exclusive pattern file is written, and vLLM serves it through duo; on the
-    offline shared-documents path, whose prompts reach vLLM's `bench throughput` as token ids."""
+def test_tiny_zigzag_serve_sweep_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    """The server path as tpot_sweep uses it: one server, one `bench serve` client per prompt length; the server is
+    zigzag's, so its layer-exclusive pattern file is written and vLLM serves it through duo."""
     out = tmp_path / "results"
-    code = cli.main(["bench", "--workloads", "tiny_docs_full", "--model", smollm2_dir, "--zigzag-sparsity", "0.5",
-                     "--pattern", smollm2_pattern(tmp_path), "--only", "zigzag", "--out", str(out), "--timeout", "170"])
-    assert code == 0
-    (run,) = json.loads((out / "results.json").read_text())["runs"]
-    assert run["backend"] == "zigzag s=0.5" and run["status"] == "ok", run.get("log_tail")
-    assert "-m vllm_duo.tools.bench --pretokenized bench throughput" in run["command"]
-    assert run["metrics"]["output_tok_s"] > 0
-    assert run["layer_exclusive"] and run["pattern"] == str((out / "patterns" / "zigzag-0.5.json").resolve())
-    heads = re.search(r"retrieval heads per layer \[([\d, ]+)\]", (out / run["log"]).read_text()).group(1)
-    per_layer = [int(n) for n in heads.split(", ")]
-    assert set(per_layer) == {0, 3} and per_layer.count(0) == 15  # 15 of 30 layers streaming, the rest retrieval
-
-
-def test_tiny_serve_sweep_on_cpu(smollm2_dir, tmp_path, subprocess_env):
-    """The server path as tpot_sweep uses it: one duo server, one `bench serve` client per prompt length."""
-    out = tmp_path / "results"
-    code = cli.main(["bench", "--workloads", "tiny_serve", "--model", smollm2_dir, "--sparsity", "0.5", "--only", "duo",
-                     "--set", "tiny_serve.input_lens=64,128", "tiny_serve.max_concurrency=2",
+    code = cli.main(["bench", "--workloads", "tiny_serve", "--model", smollm2_dir, "--zigzag-sparsity", "0.5",
+                     "--only", "zigzag", "--set", "tiny_serve.input_lens=64,128", "tiny_serve.max_concurrency=2",
                      "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
     assert code == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [(run["phase"], run["input_len"]) for run in runs] == [("in=64 rate=inf", 64), ("in=128 rate=inf", 128)]
     for run in runs:
         assert run["status"] == "ok", run.get("log_tail")
+        assert run["backend"] == "zigzag s=0.5" and run["layer_exclusive"]
+        assert run["pattern"] == str((out / "patterns" / "zigzag-0.5.json").resolve())
         assert "--max-concurrency 2" in run["command"] and run["client_concurrency"] == 2
         assert run["metrics"]["completed"] == 4 and run["metrics"]["median_itl_ms"] > 0
         assert run["server_log"] == runs[0]["server_log"]  # both clients against one server
-    assert "| duo s=0.5 | 128 | inf |" in (out / "results.md").read_text()
+    heads = re.search(r"retrieval heads per layer \[([\d, ]+)\]", (out / runs[0]["server_log"]).read_text()).group(1)
+    per_layer = [int(n) for n in heads.split(", ")]
+    assert set(per_layer) == {0, 3} and per_layer.count(0) == 15  # 15 of 30 layers streaming, the rest retrieval
+    assert "| zigzag s=0.5 | 128 | inf |" in (out / "results.md").read_text()
 
 
 def test_multi_turn_chat_hits_the_prefix_cache_on_cpu(smollm2_dir, tmp_path, subprocess_env):
