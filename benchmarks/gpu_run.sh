@@ -195,7 +195,14 @@ json.dump(c, open(p, 'w'), indent=1)"
         | tee "$OUT/kernels_bench_squeeze.log" | tail -40 ;;
     # issue 33: the lookup's and the sparse decode's launch settings swept at 4 x 128k, 1/16 (each part alone, then whole)
     squeeze_sweep) timeout 500 python3 benchmarks/kernels_bench.py --squeeze-sweep 2>&1 \
-        | tee "$OUT/kernels_bench_squeeze_sweep.log" | tail -40 ;;
+        | tee "$OUT/kernels_bench_squeeze_sweep.log" | grep -v "^  " | tail -30 ;;
+    # issue 33: Nsight Compute over the 4 lookup kernels of one layer of the third eager squeezed step (4 x 128k, 1/16)
+    squeeze_ncu) timeout 400 ncu --clock-control none --kernel-name "regex:_centroid_|_band_ends|_run_pages" \
+        --launch-skip 256 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
+        --section Occupancy --section SchedulerStats --section WarpStateStats \
+        python3 benchmarks/kernels_bench.py --squeeze-ncu > "$OUT/ncu_squeeze.txt" 2>&1
+      grep -E "^  [_a-z]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" \
+        "$OUT/ncu_squeeze.txt" | head -60 ;;
     # issue 33: the cost of clustering one context's retrieval keys (Llama-3.1-8B's 128 heads, 16k-128k keys)
     cluster_bench) timeout 400 python3 benchmarks/cluster_bench.py ${CLUSTER_ARGS:-} 2>&1 | tee "$OUT/cluster_bench.log" \
         | tail -20 ;;  # CLUSTER_ARGS e.g. "--heads 4 --iters 10 --lengths 131072 --inits random" (one layer served;

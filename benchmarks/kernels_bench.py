@@ -37,14 +37,16 @@ the keys (random clusters, fp8 centroids as served: timing only), each step whol
 decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, then FlashAttention over pages of one
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
-`--squeeze-sweep`: at 4 x 128k and 1/16 only, the layer as served with the launch settings of the centroid kernels
-(programs per SM, clusters per tile, the logits kernel's warps and pipeline stages; also their time alone) and of the
-row pass (FlashAttention's splits) varied.
+`--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
+its lookup, and its lookup alone), the duo kernels launched with programmatic dependent launch (as served) and
+without; one layer of the squeeze's step as the GPU ran it, kernel by kernel on its two streams, both ways.
+
+`--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
 Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode
-| --squeeze-sweep]
-(results: $OUT/kernels_bench[_fp8|_mixed|_long_decode|_squeeze_decode|_squeeze_sweep].json, or benchmarks/results/
-without $OUT).
+| --squeeze-sweep | --squeeze-ncu]
+(results: $OUT/kernels_bench[_fp8|_mixed|_long_decode|_squeeze_decode|_squeeze_sweep|_squeeze_ncu].json, or
+benchmarks/results/ without $OUT).
 """
 
 from __future__ import annotations
@@ -731,6 +733,39 @@ def print_kernels(title: str, profile: dict) -> None:
         print(f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:5.0f} x  {k['name']}")
 
 
+def layer_timeline(graph: torch.cuda.CUDAGraph, marker: str = "_centroid_logits_kernel", layer: int = 2) -> list[dict]:
+    """One layer of a graph replay as the GPU ran it, from the profiler's trace: each kernel's start and end in us
+    from the layer's `marker` kernel (the layer: from 3 us before its marker to 3 us before the next one) and its
+    stream."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    marks = [e["ts"] for e in kernels if marker in e["name"]]
+    if len(marks) < layer + 2:
+        return []
+    lo, hi = marks[layer] - 3, marks[layer + 1] - 3
+    return [dict(start_us=round(e["ts"] - marks[layer], 2), end_us=round(e["ts"] + e["dur"] - marks[layer], 2),
+                 stream=e.get("args", {}).get("stream", e.get("tid")), name=e["name"][:70])
+            for e in kernels if lo <= e["ts"] < hi]
+
+
+def print_timeline(title: str, timeline: list[dict]) -> None:
+    """`layer_timeline`'s kernels, one a line."""
+    print(f"\n{title} (start, end us; stream)")
+    for k in timeline:
+        print(f"  {k['start_us']:8.2f} {k['end_us']:8.2f}  {k['stream']!s:>4}  {k['name']}")
+
+
 def layouts_per_count(seq_lens: list[int], counts: list[int], cache_dtype: torch.dtype, columns: int):
     """One DuoLayout per retrieval-head count (layers with the same count share its cache) and its retrieval
     pages' block table, `columns` wide as vLLM's (max_model_len)."""
@@ -908,17 +943,18 @@ SQUEEZE_BUDGETS = (16, 8, 4)  # 1/k of the clustered keys read beyond the sinks 
 KEYS_PER_CLUSTER = 16
 
 
-def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
+def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: int = 0):
     """Issue 33's decode step at batch 4 x 64k / 128k over an fp8 cache, 32 layers in one CUDA graph: duo as served
     against duo with Squeezed Attention on its retrieval heads (vllm_duo/squeeze.py's lookup: centroid scores, then
     the best clusters up to 1/16, 1/8, 1/4 of the keys; the sparse decode over them plus sinks and window), the
     streaming heads beside on a second stream as served. The clusters are random (16 keys per centroid on average,
     centroids in fp8 with a scale per head as served beside an fp8 cache; bf16 centroids as a variant), then at 1/16
     as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
-    equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, with the launch
-    settings of the centroid kernels and the row pass varied (`--squeeze-sweep`)."""
+    equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, duo's
+    kernels launched with programmatic dependent launch and without, and one layer's timeline (`--squeeze-sweep`).
+    `eager_steps`: at 4 x 128k, only that many squeezed steps as served, eagerly, for a profiler (`--squeeze-ncu`)."""
     from vllm_duo import gpu_attention
-    from vllm_duo.kernels import selection
+    from vllm_duo.kernels import launch
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
@@ -933,7 +969,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
     out_json["squeeze_decode"] = results
     one = torch.ones((), dtype=torch.float32, device=DEV)
     quant = KVQuant(one, one, one)
-    for batch, context in SQUEEZE_SHAPES[-1:] if sweep else SQUEEZE_SHAPES:
+    for batch, context in SQUEEZE_SHAPES[-1:] if sweep or eager_steps else SQUEEZE_SHAPES:
         case = f"fp8 {batch}x{context // 1024}k"
         max_len = context + 1024
         seq_lens = [context] * batch
@@ -1080,35 +1116,26 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False):
                              else choose(scores, offsets, positions, k))
             return chosen
 
+        if eager_steps:
+            served = step(16, served=True)
+            for _ in range(eager_steps):
+                served()
+            torch.cuda.synchronize()
+            return
         if sweep:
-            timed("duo", step())
-            timed("squeeze 1/16 as served (FlashAttention's window and row passes)", step(16, served=True))
-            timed("squeeze 1/16: lookup as served only (scores, runs, page lists)", step(16, served=True, attend=False))
-            for per_sm, tile in ((2, 64), (8, 64), (4, 128), (8, 128)):
-                with patch.object(selection, "SCORE_PROGRAMS_PER_SM", per_sm), \
-                        patch.object(selection, "_score_tiles", lambda device, tile=tile: tile):
-                    timed(f"centroid scores only, {per_sm} programs per SM, tiles of {tile}",
-                          step(16, write=False, attend=False, select=False))
-                    timed(f"squeeze 1/16 as served, centroid scores at {per_sm} programs per SM, tiles of {tile}",
-                          step(16, served=True))
-            timed("centroid scores only (served: 4 programs per SM, tiles of 64)",
-                  step(16, write=False, attend=False, select=False))
-            for warps, stages in ((2, 3), (8, 3), (4, 1), (4, 2), (4, 4), (8, 4)):
-                with patch.object(selection, "LOGITS_LAUNCH", dict(num_warps=warps, num_stages=stages)):
-                    timed(f"centroid scores only, logits in {warps} warps, {stages} stages",
-                          step(16, write=False, attend=False, select=False))
-                    timed(f"squeeze 1/16 as served, logits in {warps} warps, {stages} stages", step(16, served=True))
-            coarse_c = triton.cdiv(T, 2 * KEYS_PER_CLUSTER)  # half the centroids: what the lookup costs then
-            coarse = {R: clusters(R, torch.randint(0, coarse_c, (R, T), device=DEV),
-                                  torch.randn(batch, R, coarse_c, HEAD_DIM, dtype=DTYPE, device=DEV))
-                      for R in layouts}
-            timed(f"centroid scores only, {2 * KEYS_PER_CLUSTER} keys per cluster",
-                  step(16, write=False, attend=False, select=False, store=coarse))
-            timed(f"squeeze 1/16 as served, {2 * KEYS_PER_CLUSTER} keys per cluster",
-                  step(16, served=True, store=coarse, keys_per_cluster=2 * KEYS_PER_CLUSTER))
-            for parts in (16, 64):
-                with patch.object(gpu_attention, "row_splits", lambda entries, device, parts=parts: parts):
-                    timed(f"squeeze 1/16 as served, row pass in {parts} splits", step(16, served=True))
+            served_rows = (("duo as served", step()),
+                           ("squeeze 1/16 as served", step(16, served=True)),
+                           ("squeeze 1/16: lookup as served only", step(16, served=True, attend=False)),
+                           ("squeeze 1/16 as served without the lookup",
+                            step(16, served=True, lookup=False, selections=selections_at(16, served=True))))
+            res["pdl_options"] = str(launch.pdl_options(query.device))
+            print(f"programmatic dependent launch as served: {res['pdl_options']}")
+            for pdl in (True, False):
+                with patch.object(launch, "PDL", pdl):
+                    for label, fn in served_rows:
+                        timed(f"{label}, {'programmatic' if pdl else 'ordinary'} launches", fn)
+                    res[f"timeline_pdl_{pdl}"] = timeline = layer_timeline(capture(served_rows[1][1]))
+                    print_timeline(f"{case} squeeze 1/16 as served, PDL {pdl}: one layer", timeline)
             results.append(res)
             continue
 
@@ -1174,6 +1201,8 @@ def main():
         parts = (("squeeze_decode", bench_squeeze_decode),)
     elif "--squeeze-sweep" in sys.argv:
         parts = (("squeeze_decode", functools.partial(bench_squeeze_decode, sweep=True)),)
+    elif "--squeeze-ncu" in sys.argv:
+        parts = (("squeeze_decode", functools.partial(bench_squeeze_decode, eager_steps=3)),)
     else:
         parts = (("decode", bench_decode), ("prefill", bench_prefill))
     for name, fn in parts:
@@ -1187,7 +1216,8 @@ def main():
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
     suffix = next((s for flag, s in (("--fp8", "_fp8"), ("--mixed", "_mixed"), ("--long-decode", "_long_decode"),
-                                     ("--squeeze-decode", "_squeeze_decode"), ("--squeeze-sweep", "_squeeze_sweep"))
+                                     ("--squeeze-decode", "_squeeze_decode"), ("--squeeze-sweep", "_squeeze_sweep"),
+                                     ("--squeeze-ncu", "_squeeze_ncu"))
                    if flag in sys.argv), "")
     result_file = target / f"kernels_bench{suffix}.json"
     result_file.write_text(json.dumps(out_json, indent=2))
