@@ -38,8 +38,9 @@ decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, 
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
-its lookup, and its lookup alone), the duo kernels launched with programmatic dependent launch (as served) and
-without; one layer of the squeeze's step as the GPU ran it, kernel by kernel on its two streams, both ways.
+its lookup, and its lookup alone) with the streaming heads' decode beside FlashAttention whole or split, before or
+after the window pass (gpu_attention.STREAMING_*); one layer of the squeeze's step as the GPU ran it, kernel by
+kernel on its two streams, each way.
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
@@ -743,7 +744,7 @@ def layer_timeline(graph: torch.cuda.CUDAGraph, marker: str = "_centroid_logits_
 
     graph.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
@@ -950,11 +951,10 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
     streaming heads beside on a second stream as served. The clusters are random (16 keys per centroid on average,
     centroids in fp8 with a scale per head as served beside an fp8 cache; bf16 centroids as a variant), then at 1/16
     as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
-    equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, duo's
-    kernels launched with programmatic dependent launch and without, and one layer's timeline (`--squeeze-sweep`).
+    equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, the
+    streaming heads' decode placed each way and one layer's timeline (`--squeeze-sweep`).
     `eager_steps`: at 4 x 128k, only that many squeezed steps as served, eagerly, for a profiler (`--squeeze-ncu`)."""
     from vllm_duo import gpu_attention
-    from vllm_duo.kernels import launch
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
@@ -1128,14 +1128,15 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                            ("squeeze 1/16: lookup as served only", step(16, served=True, attend=False)),
                            ("squeeze 1/16 as served without the lookup",
                             step(16, served=True, lookup=False, selections=selections_at(16, served=True))))
-            res["pdl_options"] = str(launch.pdl_options(query.device))
-            print(f"programmatic dependent launch as served: {res['pdl_options']}")
-            for pdl in (True, False):
-                with patch.object(launch, "PDL", pdl):
-                    for label, fn in served_rows:
-                        timed(f"{label}, {'programmatic' if pdl else 'ordinary'} launches", fn)
-                    res[f"timeline_pdl_{pdl}"] = timeline = layer_timeline(capture(served_rows[1][1]))
-                    print_timeline(f"{case} squeeze 1/16 as served, PDL {pdl}: one layer", timeline)
+            for whole, before in itertools.product((False, True), repeat=2):
+                with patch.object(gpu_attention, "STREAMING_WHOLE", whole), \
+                        patch.object(gpu_attention, "STREAMING_BEFORE_WINDOW", before):
+                    how = (f"streaming heads {'whole' if whole else 'split'}, "
+                           f"{'before' if before else 'after'} the window pass")
+                    for label, fn in served_rows[1:2] if before else served_rows:  # the order: the squeeze's
+                        timed(f"{label}, {how}", fn)
+                    res[f"timeline: {how}"] = timeline = layer_timeline(capture(served_rows[1][1]))
+                    print_timeline(f"{case} squeeze 1/16 as served, {how}: one layer", timeline)
             results.append(res)
             continue
 

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, load_scales, scale_tensors
-from vllm_duo.kernels.launch import inputs_ready, pdl_options
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, streaming_kv
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
@@ -131,7 +130,7 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
                    STREAM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, FP8: tl.constexpr,
-                   FP16: tl.constexpr, PDL: tl.constexpr):
+                   FP16: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS + S * STREAM_SPLITS - first_program); requests whose query length is not 1 exit
     at once.
 
@@ -142,7 +141,6 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
     """
     req = tl.program_id(0)
     pid = tl.program_id(1) + first_program
-    inputs_ready(PDL)
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
@@ -203,13 +201,11 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
                   seq_lens_ptr, num_retrieval, num_streaming, sink, recent, first_head,
                   stride_ot: tl.int64, stride_oh: tl.int64,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                  PDL: tl.constexpr):
+                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
     combine one query head's split results by their log-sum-exp."""
     req = tl.program_id(0)
     h = tl.program_id(1) + first_head * G
-    inputs_ready(PDL)
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
@@ -314,10 +310,10 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
         MIN_SPLIT=min_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), num_warps=4,
-        num_stages=num_stages, **pdl_options(cache.device))
+        num_stages=num_stages)
     if merged:
         _merge_kernel[(num_reqs, len(merged) * G)](
             output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
             heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
             G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,
-            MIN_SPLIT=min_split, BLOCK_S=triton.next_power_of_2(num_parts), num_warps=4, **pdl_options(cache.device))
+            MIN_SPLIT=min_split, BLOCK_S=triton.next_power_of_2(num_parts), num_warps=4)

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.launch import inputs_ready, pdl_options
 from vllm_duo.kernels.reference import LayerHeads
 from vllm_duo.kernels.selection import BandRuns, _context_of, _run_positions
 
@@ -43,20 +42,18 @@ def _run_pages_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, en
                       stride_ox: tl.int64, stride_oh: tl.int64, stride_px: tl.int64, stride_ph: tl.int64,
                       stride_cr: tl.int64, stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
                       stride_es: tl.int64, stride_table: tl.int64, stride_pe: tl.int64, BLOCK_SIZE: tl.constexpr,
-                      SLOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr,
-                      PDL: tl.constexpr):
+                      SLOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, cdiv(list_len, SLOTS)): SLOTS entries of entry (req, head)'s page list, its sinks then its
     selected keys (`_run_positions` finds them in the runs), as cache row ids; the first program of an entry writes
     its length (0 at a row without context) and its query start."""
     req, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = req * num_retrieval + head
     squeezed = tl.load(context_ends_ptr + req) > 0
-    context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the length is 0
-    inputs_ready(PDL)
     count = tl.minimum(tl.load(counts_ptr + req * stride_cr + head * stride_ch), max_selected)
     length = tl.where(squeezed, sink + count, 0)
     index = chunk * SLOTS + tl.arange(0, SLOTS)
     live = index < length
+    context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the length is 0
     chosen = _run_positions(index - sink, live & (index >= sink), req, head, context, offsets_ptr, positions_ptr,
                             above_ptr, ends_ptr, num_clusters, stride_ox, stride_oh, stride_px, stride_ph, stride_cr,
                             stride_ch, stride_er, stride_eh, stride_es, SEARCH_STEPS)
@@ -106,8 +103,7 @@ def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torc
         pages, lens, starts, C, R, heads.stride, sink, max_selected, list_len, cache.stride(0) // cache.shape[-1],
         cache.stride(2) // cache.shape[-1], *runs.offsets.stride()[:2], *cluster_positions.stride()[:2],
         *runs.counts.stride(), *runs.ends.stride()[:3], block_table.stride(0), pages.stride(0),
-        BLOCK_SIZE=cache.shape[2], SLOTS=slots, SEARCH_STEPS=max(C, 1).bit_length(), CONTEXTS=context_ids is not None,
-        **pdl_options(device))
+        BLOCK_SIZE=cache.shape[2], SLOTS=slots, SEARCH_STEPS=max(C, 1).bit_length(), CONTEXTS=context_ids is not None)
     return pages, lens, starts
 
 
@@ -133,11 +129,10 @@ def _merge_rows_kernel(out_ptr, window_lse_ptr, rows_out_ptr, rows_lse_ptr, retr
                        context_ends_ptr, num_retrieval,
                        stride_ot: tl.int64, stride_oh: tl.int64, stride_wh: tl.int64, stride_wt: tl.int64,
                        stride_re: tl.int64, stride_rg: tl.int64, stride_lg: tl.int64, stride_le: tl.int64,
-                       G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                       G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (num_reqs, R * G): one squeezed row's retrieval query head h, the window pass's output (in `out`) and
     the row pass's merged by their log-sum-exp (natural log) into `out`."""
     req, h = tl.program_id(0), tl.program_id(1)
-    inputs_ready(PDL)
     if tl.load(context_ends_ptr + req) == 0:
         return
     token = tl.load(query_start_loc_ptr + req).to(tl.int64)
@@ -172,4 +167,4 @@ def merge_rows(output: torch.Tensor, window_lse: torch.Tensor, rows_out: torch.T
     _merge_rows_kernel[(num_reqs, R * G)](
         output, window_lse, rows_out, rows_lse, heads.retrieval_q, query_start_loc, context_ends, R,
         *output.stride()[:2], *window_lse.stride(), *rows_out.stride()[:2], *rows_lse.stride(),
-        G=G, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1, **pdl_options(output.device))
+        G=G, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)

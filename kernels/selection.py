@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.decode import _sm_count, group_queries
-from vllm_duo.kernels.launch import inputs_ready, pdl_options
 from vllm_duo.kernels.prefill import LOG2E
 from vllm_duo.kernels.reference import LayerHeads
 
@@ -71,7 +70,7 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
                             stride_bh: tl.int64, stride_bt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CONTEXTS: tl.constexpr,
-                            SCALED: tl.constexpr, RADII: tl.constexpr, BANDS: tl.constexpr, PDL: tl.constexpr):
+                            SCALED: tl.constexpr, RADII: tl.constexpr, BANDS: tl.constexpr):
     """Grid (num_reqs, R, tiles): the base-2 logits of one tile of TILE_CHUNKS x BLOCK_C clusters per query head of
     the group (-inf for empty clusters), and the tile's softmax partials: the running max and the sum of
     N_j exp2(s_j - max) per query head; zeroes the tile's keys per band, which the scores kernel adds to.
@@ -80,10 +79,9 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
     req = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
-    context = _context_of(context_ids_ptr, req, CONTEXTS)
-    inputs_ready(PDL)
     tl.store(band_keys_ptr + req * stride_br + head * stride_bh + tile * stride_bt + tl.arange(0, BANDS),
              tl.zeros([BANDS], tl.int32))
+    context = _context_of(context_ids_ptr, req, CONTEXTS)
     if context < 0:
         return
     if SCALED:
@@ -142,7 +140,7 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
                             stride_bh: tl.int64, stride_bt: tl.int64,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TILE_CHUNKS: tl.constexpr,
                             BLOCK_T: tl.constexpr, BANDS: tl.constexpr, OCTAVE: tl.constexpr,
-                            CONTEXTS: tl.constexpr, PDL: tl.constexpr):
+                            CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): each query head's denominator from all tiles' partials, then the tile's scores
     exp2(s_j - max) / denominator, max over the group (0 for a request without context), and the tile's keys per
     octave of bands (one-hot sums) and per band (`_score_band`; added to the counts the logits kernel zeroed, by
@@ -155,7 +153,6 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
     head = tl.program_id(1)
     tile = tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
-    inputs_ready(PDL)
     has_context = context >= 0
     tiles_read = tl.where(has_context, num_tiles, 0)  # without a context none: every score 0
     clusters_read = tl.where(has_context, num_clusters, 0)
@@ -300,7 +297,6 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     # without context ids, scales or radii the kernels read none: `scores` stands in for the pointer
     scales = scores if centroid_scales is None else centroid_scales
     contexts = scores if context_ids is None else context_ids
-    pdl = pdl_options(device)
     _centroid_logits_kernel[(num_reqs, R, tiles)](
         query, centroids, scales, sizes, scores if radii is None else radii, contexts, logits, part_m, part_l,
         scored.band_keys, heads.retrieval_kv, query_start_loc, scale * LOG2E, radius_weight * scale * LOG2E, C,
@@ -309,7 +305,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
         SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, BANDS=SCORE_BANDS,
-        **LOGITS_LAUNCH, **pdl)
+        **LOGITS_LAUNCH)
     count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
     _centroid_scores_kernel[(num_reqs, R, tiles)](
         logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.octave_keys, scored.band_keys, C,
@@ -317,7 +313,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         *scored.top_bands.stride(), *scored.octave_keys.stride()[:3], *scored.band_keys.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=count_c, TILE_CHUNKS=chunks * block_c // count_c,
         BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None,
-        num_warps=4, **pdl)
+        num_warps=4)
     return scored
 
 
@@ -454,7 +450,7 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, octave_keys_ptr, band_keys_ptr,
                       stride_oh: tl.int64, stride_br: tl.int64, stride_bh: tl.int64, stride_cr: tl.int64,
                       stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64, stride_es: tl.int64,
                       TILE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BANDS: tl.constexpr,
-                      OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr, PDL: tl.constexpr):
+                      OCTAVE: tl.constexpr, CONTEXTS: tl.constexpr):
     """Grid (num_reqs, R, tiles): `centroid_scores`' tiles of TILE clusters. Each program finds the row's cut band
     (the best band whose keys and those of every better band reach the budget; the last if none does) in two steps:
     the cut octave from every tile's keys per octave, then the cut band within it from every tile's keys in that
@@ -466,7 +462,6 @@ def _band_ends_kernel(scores_ptr, top_bands_ptr, octave_keys_ptr, band_keys_ptr,
     writes it, and always the keys above the cut."""
     req, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = _context_of(context_ids_ptr, req, CONTEXTS)
-    inputs_ready(PDL)
     row = req * stride_cr + head * stride_ch
     first = tile == 0
     if context < 0:
@@ -642,7 +637,7 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
         C, tiles, max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.octave_keys.stride()[:3],
         *scored.band_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
         TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=triton.next_power_of_2(tiles),
-        BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None, **pdl_options(device))
+        BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
     return BandRuns(above, ends, counts, offsets)
 
 

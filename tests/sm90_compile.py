@@ -56,10 +56,7 @@ def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
 
 
 def compile_for_h100(kernel, model: torch.dtype, cache: torch.dtype, constants: dict, **options) -> str:
-    """Compile `kernel` with `constants` for sm_90 (a kernel that takes `PDL` as served: with it); its resource line
-    (cuobjdump) or raise."""
-    if any(param.name == "PDL" for param in kernel.params):
-        constants, options = dict(constants, PDL=True), dict(options, launch_pdl=True)
+    """Compile `kernel` with `constants` for sm_90; its resource line (cuobjdump) or raise."""
     pointers = pointer_types(model, cache)
     signature, attrs = {}, {}
     for i, param in enumerate(kernel.params):
