@@ -38,9 +38,8 @@ decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, 
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
-its lookup, and its lookup alone) with the streaming heads' decode beside FlashAttention whole or split, before or
-after the window pass (gpu_attention.STREAMING_*); one layer of the squeeze's step as the GPU ran it, kernel by
-kernel on its two streams, each way.
+its lookup, and its lookup alone), and one layer of the squeeze's step as the GPU ran it, kernel by kernel on its
+two streams.
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
@@ -951,8 +950,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
     streaming heads beside on a second stream as served. The clusters are random (16 keys per centroid on average,
     centroids in fp8 with a scale per head as served beside an fp8 cache; bf16 centroids as a variant), then at 1/16
     as dummy weights may make them (equal centroids; skewed cluster sizes): timing only;
-    equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, the
-    streaming heads' decode placed each way and one layer's timeline (`--squeeze-sweep`).
+    equality with duo at a full budget is tests/test_squeeze.py's. `sweep`: 4 x 128k at 1/16 only, also
+    without its lookup and its lookup alone, and one layer's timeline (`--squeeze-sweep`).
     `eager_steps`: at 4 x 128k, only that many squeezed steps as served, eagerly, for a profiler (`--squeeze-ncu`)."""
     from vllm_duo import gpu_attention
     from vllm_duo.kernels.attention import triton_attention
@@ -1128,15 +1127,10 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                            ("squeeze 1/16: lookup as served only", step(16, served=True, attend=False)),
                            ("squeeze 1/16 as served without the lookup",
                             step(16, served=True, lookup=False, selections=selections_at(16, served=True))))
-            for whole, before in itertools.product((False, True), repeat=2):
-                with patch.object(gpu_attention, "STREAMING_WHOLE", whole), \
-                        patch.object(gpu_attention, "STREAMING_BEFORE_WINDOW", before):
-                    how = (f"streaming heads {'whole' if whole else 'split'}, "
-                           f"{'before' if before else 'after'} the window pass")
-                    for label, fn in served_rows[1:2] if before else served_rows:  # the order: the squeeze's
-                        timed(f"{label}, {how}", fn)
-                    res[f"timeline: {how}"] = timeline = layer_timeline(capture(served_rows[1][1]))
-                    print_timeline(f"{case} squeeze 1/16 as served, {how}: one layer", timeline)
+            for label, fn in served_rows:
+                timed(label, fn)
+            res["timeline"] = timeline = layer_timeline(capture(served_rows[1][1]))
+            print_timeline(f"{case} squeeze 1/16 as served: one layer", timeline)
             results.append(res)
             continue
 

@@ -66,8 +66,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
         write()
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
-                                  scale, output, max_query_len,
-                                  1 if by_flash and STREAMING_WHOLE else max_num_splits, stream_cache, quant,
+                                  scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash)
     if not (by_flash and heads.num_retrieval):
         streaming()
@@ -117,11 +116,9 @@ def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[]
         made["queries"] = make_queries()
         queries_made.record(side)
         write()
-        if streaming is not None and STREAMING_BEFORE_WINDOW:
-            streaming()
         made["window_lse"] = window_part(with_lse=True, queries=made["queries"])[1]
         window_done.record(side)
-        if streaming is not None and not STREAMING_BEFORE_WINDOW:
+        if streaming is not None:
             streaming()
 
     def joined() -> torch.Tensor:
@@ -162,12 +159,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 
-
-# Where FlashAttention reads the retrieval heads at decode, the streaming heads' Triton decode beside it: one program
-# per (request, head) over its sinks and window (no merge launch) or one for each (merged); in the squeeze's step
-# before or after the window pass. Measured both ways: kernels_bench.py --squeeze-sweep.
-STREAMING_WHOLE = False
-STREAMING_BEFORE_WINDOW = False
 
 # (query, cache) dtypes FlashAttention-3 takes: 16-bit, or fp8 e4m3 KV with queries quantized to it;
 # float32 models and e5m2 caches keep the Triton prefill.
