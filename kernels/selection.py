@@ -45,28 +45,18 @@ def _context_of(context_ids_ptr, req, CONTEXTS: tl.constexpr):
 
 
 @triton.jit
-def _cluster_sizes(size_row, radius_row, start, end, BLOCK_C: tl.constexpr, RADII: tl.constexpr):
-    """Sizes `[BLOCK_C]` (float32) of clusters [start, start + BLOCK_C) below `end` (0 past it) and their radii (0
-    without RADII)."""
-    offs_c = start + tl.arange(0, BLOCK_C)
-    size = tl.load(size_row + offs_c, mask=offs_c < end, other=0).to(tl.float32)
-    if RADII:
-        return size, tl.load(radius_row + offs_c, mask=offs_c < end, other=0.0)
-    return size, tl.zeros([BLOCK_C], tl.float32)
-
-
-@triton.jit
-def _centroid_logits(q, centroid_row, size, start, num_clusters, qk_scale, stride_cn,
+def _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
                      BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Base-2 logits `[BLOCK_G, BLOCK_C]` of clusters [start, start + BLOCK_C) of sizes `size` (-inf for empty or
-    absent ones)."""
+    """Base-2 logits `[BLOCK_G, BLOCK_C]` of clusters [start, start + BLOCK_C) (-inf for empty or absent ones) and
+    their sizes `[BLOCK_C]`."""
     offs_c = start + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     c_ok = offs_c < num_clusters
     c = tl.load(centroid_row + offs_c.to(tl.int64)[:, None] * stride_cn + offs_d[None, :],
                 mask=c_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(q.dtype)
+    size = tl.load(size_row + offs_c, mask=c_ok, other=0).to(tl.float32)
     s = tl.dot(q, tl.trans(c)) * qk_scale
-    return tl.where(size[None, :] > 0, s, float("-inf"))
+    return tl.where(size[None, :] > 0, s, float("-inf")), size
 
 
 @triton.jit(do_not_specialize=["num_clusters"])
@@ -100,24 +90,18 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
                       HEAD_DIM, BLOCK_D)
     centroid_row = centroids_ptr + context * stride_cx + head * stride_ch
     size_row = sizes_ptr + context * stride_nx + head * stride_nh
-    radius_row = radii_ptr + context * stride_nx + head * stride_nh
     q_reach = tl.sqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), 1)) * radius_scale  # [BLOCK_G]
     offs_g = tl.arange(0, BLOCK_G)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    first = tile * TILE_CHUNKS * BLOCK_C
-    tile_end = tl.minimum(first + TILE_CHUNKS * BLOCK_C, num_clusters)
-    # each chunk's sizes and radii load while the chunk before is scored (Triton pipelines the centroids' loads,
-    # not these: without it each chunk waited for them after its centroids)
-    next_size, next_radius = _cluster_sizes(size_row, radius_row, first, tile_end, BLOCK_C, RADII)
     for chunk in range(TILE_CHUNKS):
-        start = first + chunk * BLOCK_C
-        size, radius = next_size, next_radius
-        next_size, next_radius = _cluster_sizes(size_row, radius_row, start + BLOCK_C, tile_end, BLOCK_C, RADII)
-        s = _centroid_logits(q, centroid_row, size, start, num_clusters, qk_scale, stride_cn, BLOCK_C, HEAD_DIM,
-                             BLOCK_D)
+        start = (tile * TILE_CHUNKS + chunk) * BLOCK_C
+        s, size = _centroid_logits(q, centroid_row, size_row, start, num_clusters, qk_scale, stride_cn,
+                                   BLOCK_C, HEAD_DIM, BLOCK_D)
         offs_c = start + tl.arange(0, BLOCK_C)
         if RADII:
+            radius = tl.load(radii_ptr + context * stride_nx + head * stride_nh + offs_c, mask=offs_c < num_clusters,
+                             other=0.0)
             s += q_reach[:, None] * radius[None, :]
         tl.store(logits_ptr + req * stride_lr + head * stride_lh + offs_g[:, None] * stride_lg + offs_c[None, :], s,
                  mask=(offs_g < G)[:, None] & (offs_c < num_clusters)[None, :])
@@ -144,19 +128,6 @@ def _score_band(scores, top_band, BANDS: tl.constexpr):
     two-octave bands past 8 octaves recall less attention mass than 12.5% bands throughout
     (benchmarks/results/2026-11-27-cpu-squeeze-bands)."""
     return tl.minimum(tl.maximum(top_band - (scores.to(tl.int32, bitcast=True) >> 20), 0), BANDS - 1)
-
-
-@triton.jit
-def _chunk_logits(logits_row, size_row, start, end, stride_lg, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
-    """The logits `[BLOCK_G, BLOCK_C]` of clusters [start, start + BLOCK_C) below `end` (-inf past it and the group)
-    and their sizes (int32, 0 past it)."""
-    offs_c = start + tl.arange(0, BLOCK_C)
-    offs_g = tl.arange(0, BLOCK_G)
-    read = offs_c < end
-    s = tl.load(logits_row + offs_g[:, None] * stride_lg + offs_c[None, :], mask=(offs_g < G)[:, None] & read[None, :],
-                other=float("-inf"))
-    return s, tl.load(size_row + offs_c, mask=read, other=0).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["num_clusters", "num_tiles"])
@@ -203,18 +174,14 @@ def _centroid_scores_kernel(logits_ptr, part_m_ptr, part_l_ptr, sizes_ptr, conte
     octaves = tl.arange(0, BANDS // OCTAVE)
     octave_keys = tl.zeros([BANDS // OCTAVE], tl.int32)
     band_row = band_keys_ptr + req * stride_br + head * stride_bh + tile * stride_bt
-    logits_row = logits_ptr + req * stride_lr + head * stride_lh
-    first = tile * TILE_CHUNKS * BLOCK_C
-    tile_end = tl.minimum(first + TILE_CHUNKS * BLOCK_C, clusters_read)
-    # each chunk's logits and sizes load while the chunk before is counted
-    next_s, next_size = _chunk_logits(logits_row, size_row, first, tile_end, stride_lg, G, BLOCK_G, BLOCK_C)
     for chunk in range(TILE_CHUNKS):
-        offs_c = first + chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        s, size = next_s, next_size
-        next_s, next_size = _chunk_logits(logits_row, size_row, first + (chunk + 1) * BLOCK_C, tile_end, stride_lg,
-                                          G, BLOCK_G, BLOCK_C)
+        offs_c = (tile * TILE_CHUNKS + chunk) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_read = offs_c < clusters_read
+        s = tl.load(logits_ptr + req * stride_lr + head * stride_lh + offs_g[:, None] * stride_lg + offs_c[None, :],
+                    mask=in_group[:, None] & c_read[None, :], other=float("-inf"))
         score = tl.max(tl.where(in_group[:, None], tl.exp2(s - m_safe[:, None]) / denom[:, None], 0.0), 0)
         tl.store(scores_ptr + req * stride_or + head * stride_oh + offs_c, score, mask=offs_c < num_clusters)
+        size = tl.load(size_row + offs_c, mask=c_read, other=0).to(tl.int32)
         band = _score_band(score, top_band, BANDS)
         in_octave = (band // OCTAVE)[:, None] == octaves[None, :]
         octave_keys += tl.sum(tl.where(in_octave, size[:, None], 0), 0)
