@@ -39,7 +39,7 @@ cache row listing the selected keys, merged with FlashAttention's window pass, w
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
 its lookup, and its lookup alone), and one layer of the squeeze's step as the GPU ran it, kernel by kernel on its
-two streams.
+two streams; then duo and the squeeze with the streaming heads' windows in programs of 128 and 64 keys.
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
@@ -954,6 +954,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
     without its lookup and its lookup alone, and one layer's timeline (`--squeeze-sweep`).
     `eager_steps`: at 4 x 128k, only that many squeezed steps as served, eagerly, for a profiler (`--squeeze-ncu`)."""
     from vllm_duo import gpu_attention
+    from vllm_duo.kernels import decode
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
@@ -1131,6 +1132,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                 timed(label, fn)
             res["timeline"] = timeline = layer_timeline(capture(served_rows[1][1]))
             print_timeline(f"{case} squeeze 1/16 as served: one layer", timeline)
+            for window_split in (128, 64):  # streaming heads' window keys per program (served: 256)
+                with patch.object(decode, "STREAM_WINDOW_SPLIT", window_split):
+                    for label, fn in served_rows[:2]:
+                        timed(f"{label}, streaming windows in programs of {window_split} keys", fn)
+                    res[f"timeline_window_{window_split}"] = timeline = layer_timeline(capture(served_rows[1][1]))
+                    print_timeline(f"{case} squeeze 1/16 as served, windows of {window_split}: one layer", timeline)
             results.append(res)
             continue
 

@@ -5,8 +5,8 @@ sink and window in splits of the same length.
 One launch covers a layer: the grid is (request, R x MAX_SPLITS + S x STREAM_SPLITS). A program serves
 the G query heads of one KV head, so each K/V byte is read once. At small batches the GPU is mostly
 idle and the launch takes as long as its longest program's chain of dependent tiles, so no program
-reads more than one split length of keys (computed on the device from seq_len, at least MIN_SPLIT)
-or a streaming head's sinks:
+reads more than one split length of keys (computed on the device from seq_len, at least MIN_SPLIT),
+a streaming head's sinks or one chunk of its window (at most STREAM_WINDOW_SPLIT keys on GPU):
 
     seq_len 1000, split length 256, sink 64, recent 256
     retrieval head:  split 0 [0, 256)  split 1 [256, 512)  split 2 [512, 768)  split 3 [768, 1000)
@@ -29,6 +29,7 @@ from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, strea
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes and merge outweigh the parallelism
+STREAM_WINDOW_SPLIT = 256  # a streaming head's window keys per program on GPU (kernels_bench.py --squeeze-sweep)
 
 
 @triton.jit
@@ -129,8 +130,8 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
                    stride_sh: tl.int64,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                   STREAM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, FP8: tl.constexpr,
-                   FP16: tl.constexpr):
+                   STREAM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                   WINDOW_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS + S * STREAM_SPLITS - first_program); requests whose query length is not 1 exit
     at once.
 
@@ -158,7 +159,7 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
         lo = split * split_len
         hi = tl.minimum(seq_len, lo + split_len)
     elif STREAM_SPLITS > 1:
-        lo, hi = _stream_split(split, seq_len, sink, recent, split_len)
+        lo, hi = _stream_split(split, seq_len, sink, recent, WINDOW_SPLIT)
     else:  # one program: the sinks (read below), then the window [lo, hi)
         lo = tl.maximum(sink, seq_len - recent)
         hi = seq_len
@@ -201,7 +202,8 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
                   seq_lens_ptr, num_retrieval, num_streaming, sink, recent, first_head,
                   stride_ot: tl.int64, stride_oh: tl.int64,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
+                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW_SPLIT: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
     """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
     combine one query head's split results by their log-sum-exp."""
     req = tl.program_id(0)
@@ -218,7 +220,7 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
         s_ok = offs_s * split_len < seq_len
         kv_head = tl.load(retrieval_kv_ptr + head)
     else:
-        lo, hi = _stream_split(offs_s, seq_len, sink, recent, split_len)
+        lo, hi = _stream_split(offs_s, seq_len, sink, recent, WINDOW_SPLIT)
         s_ok = lo < hi
         kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
     s_ok = s_ok & (offs_s < NUM_PARTS)
@@ -291,8 +293,11 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
     block_d = triton.next_power_of_2(head_dim)
     block_n, default_min_split, num_stages = decode_tiles(head_dim, cache.device)
     min_split = min_split or default_min_split
-    # streaming heads: the sinks, then the window in chunks of the split length (at least min_split)
-    stream_splits = 1 + triton.cdiv(heads.recent, min_split) if S and heads.recent and max_num_splits > 1 else 1
+    # streaming heads: the sinks, then the window in chunks of whole tiles, at most STREAM_WINDOW_SPLIT keys on GPU
+    # (min_split on the CPU interpreter)
+    window_chunk = STREAM_WINDOW_SPLIT if cache.is_cuda else min_split
+    stream_splits = 1 + triton.cdiv(heads.recent, window_chunk) if S and heads.recent and max_num_splits > 1 else 1
+    window_split = triton.cdiv(triton.cdiv(heads.recent, max(stream_splits - 1, 1)), block_n) * block_n
     num_parts = max(max_num_splits, stream_splits)
     first_program = R * max_num_splits if streaming_only else 0
     # KV heads whose splits the merge combines (part_out's rows run retrieval, then streaming heads)
@@ -309,11 +314,12 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         *stream_cache.stride()[:4],
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
-        MIN_SPLIT=min_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), num_warps=4,
+        MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
+        num_warps=4,
         num_stages=num_stages)
     if merged:
         _merge_kernel[(num_reqs, len(merged) * G)](
             output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
             heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
             G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,
-            MIN_SPLIT=min_split, BLOCK_S=triton.next_power_of_2(num_parts), num_warps=4)
+            MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, BLOCK_S=triton.next_power_of_2(num_parts), num_warps=8)

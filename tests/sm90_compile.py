@@ -114,14 +114,14 @@ def cases():
             parts = max(max_splits, stream_splits)
             constants = dict(shape, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
                              MAX_SPLITS=max_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
-                             FP16=fp16)
+                             WINDOW_SPLIT=min_split, FP16=fp16)
             yield (f"decode {tag} splits {max_splits}/{stream_splits}", _decode_kernel, model, cache, constants,
                    dict(num_warps=4, num_stages=num_stages))
             if parts > 1 and "merge" in variants:
                 constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
-                                 MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
+                                 MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split, WINDOW_SPLIT=min_split,
                                  BLOCK_S=triton.next_power_of_2(parts))
-                yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, {}
+                yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, dict(num_warps=8)
 
         if "sparse" in variants:
             block_g = max(16, triton.next_power_of_2(G))
