@@ -8,9 +8,9 @@ idle and the launch takes as long as its longest program's chain of dependent ti
 reads more than one split length of keys (computed on the device from seq_len, at least MIN_SPLIT),
 a streaming head's sinks or one chunk of its window (at most STREAM_WINDOW_SPLIT keys on GPU):
 
-    seq_len 1000, split length 256, sink 64, recent 256
+    seq_len 1000, split length 256, sink 64, recent 256, window chunks of 64
     retrieval head:  split 0 [0, 256)  split 1 [256, 512)  split 2 [512, 768)  split 3 [768, 1000)
-    streaming head:  split 0 the sinks [0, 64)  split 1 the window [744, 1000)  (split k: its (k-1)-th chunk)
+    streaming head:  split 0 the sinks [0, 64)  splits 1-4 the window [744, 808) [808, 872) [872, 936) [936, 1000)
 
 A second kernel merges each head's split results by their log-sum-exp. No host syncs and fixed grid
 shapes: CUDA-graph capturable.
@@ -29,7 +29,9 @@ from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, strea
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes and merge outweigh the parallelism
-STREAM_WINDOW_SPLIT = 256  # a streaming head's window keys per program on GPU (kernels_bench.py --squeeze-sweep)
+# a streaming head's window keys per program on GPU: at 4 x 128k (H200) the squeezed layer 2.234 ms at 64, 2.243 at
+# 128, 2.253 at 256 (duo 6.74 each): the streaming heads' launches end before the row pass they slowed
+STREAM_WINDOW_SPLIT = 64
 
 
 @triton.jit
