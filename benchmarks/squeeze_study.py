@@ -31,6 +31,9 @@ order while the keys taken so far are under the budget (the last unit may oversh
 reported). Bounds: `duo` (every selectable key: the served duo) and `sink+recent` (none). `--methods` keeps only
 the listed method names (duo always runs: the KL reference).
 
+`--reuse 1 2 4` also runs each unit family with its selection made at every 2nd and 4th decode step only, the
+steps between reading the last one (LServe's reused selection: a lookup in every Kth step).
+
 Reported per method and budget: hits per family, recall of the exact attention mass over the selectable region
 (per layer, retrieval KV head and step: selected mass / region mass, summed over the group's query heads, then the
 mean), keys read / selectable keys (and the share of them that the partial chunk reads), the lookup's reads
@@ -130,15 +133,18 @@ def page_units(keys: torch.Tensor, sink: int, page: int, kind: str) -> Units:
 @dataclass
 class Method:
     """One selection rule at one budget (keys = selectable / budget); kind: duo, sink+recent, oracle, or a unit
-    family name (squeeze-cN, pageP-mean, pageP-quest) with a GQA aggregate."""
+    family name (squeeze-cN, pageP-mean, pageP-quest) with a GQA aggregate, its selection made afresh at every
+    decode step or at every `reuse`-th (LServe's reused page selection: the steps between read the last one's)."""
 
     kind: str
     budget: int = 0
     aggregate: str = ""
+    reuse: int = 1  # a unit family's selection made at every `reuse`-th decode step and kept until the next
 
     @property
     def name(self) -> str:
-        return self.kind + (f"/{self.aggregate}" if self.aggregate else "")
+        return self.kind + (f"/{self.aggregate}" if self.aggregate else "") + (f"/reuse{self.reuse}"
+                                                                                if self.reuse > 1 else "")
 
 
 @dataclass
@@ -252,8 +258,12 @@ def select(study: Study, layer: int, q: torch.Tensor, region_p: torch.Tensor, sc
     take = (ranked.cumsum(-1) - ranked) < budget + forced  # the forced keys come on top of the budget
     chosen_units = torch.zeros_like(take).scatter_(-1, order, take)
     chosen = chosen_units.gather(-1, units.labels[:, None, :].expand(h, steps, n))
+    read = (chosen_units * sizes).sum(-1)
+    if method.reuse > 1:  # step a reads the selection of step a - a % reuse
+        made = torch.arange(steps) // method.reuse * method.reuse
+        chosen, read = chosen[:, made], read[:, made]
     vectors = int((~always).sum()) * (2 if units.high is not None else 1)
-    return chosen, (chosen_units * sizes).sum(-1), vectors, forced
+    return chosen, read, vectors, forced
 
 
 def band_order(log_score: torch.Tensor, bands: int) -> torch.Tensor:
@@ -310,14 +320,15 @@ def unit_families() -> list[str]:
             + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
 
 
-def methods(names: list[str] | None = None) -> list[Method]:
-    """Every method (duo first), or those whose name is in `names` and duo."""
+def methods(names: list[str] | None = None, reuses: tuple[int, ...] = (1,)) -> list[Method]:
+    """Every method (duo first), or those whose name is in `names` and duo; each unit family's at every reuse of
+    `reuses` (a name in `names` without its /reuseK)."""
     listed = [Method("duo"), Method("sink+recent")]
     for budget in BUDGETS:
         listed.append(Method("oracle", budget))
-        listed += [Method(kind, budget, agg) for kind in unit_families()
-                   for agg in (AGGREGATES if kind.startswith("squeeze") else AGGREGATES[:1])]
-    return [m for m in listed if names is None or m.kind == "duo" or m.name in names]
+        listed += [Method(kind, budget, agg, reuse) for kind in unit_families()
+                   for agg in (AGGREGATES if kind.startswith("squeeze") else AGGREGATES[:1]) for reuse in reuses]
+    return [m for m in listed if names is None or m.kind == "duo" or m.name.split("/reuse")[0] in names]
 
 
 def chunk_units(keys: torch.Tensor, sink: int, size: int, iters: int, seed: int) -> tuple[list[Units], dict]:
@@ -519,6 +530,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="classic passkey repeats, cycled (24 tokens each)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="method names to run, e.g. oracle squeeze-c16/max page16-mean/max (default: all)")
+    parser.add_argument("--reuse", type=int, nargs="+", default=[1],
+                        help="unit selections made at every Kth decode step, for each K listed (default 1: every)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -541,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = methods(args.methods)
+    chosen = methods(args.methods, tuple(args.reuse))
     records, started, wall, machine = [], now(), time.perf_counter(), machine_info()
     for i, prompt in enumerate(prompts):
         record = run_prompt(model, study, prompt, chosen, args.kmeans_iters, generator)
