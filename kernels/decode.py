@@ -204,8 +204,8 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
                   seq_lens_ptr, num_retrieval, num_streaming, sink, recent, first_head,
                   stride_ot: tl.int64, stride_oh: tl.int64,
                   G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW_SPLIT: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                  WINDOW_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
     combine one query head's split results by their log-sum-exp."""
     req = tl.program_id(0)
