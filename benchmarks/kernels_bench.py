@@ -39,7 +39,7 @@ cache row listing the selected keys, merged with FlashAttention's window pass, w
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
 its lookup, and its lookup alone), and one layer of the squeeze's step as the GPU ran it, kernel by kernel on its
-two streams; then duo and the squeeze with the streaming heads' windows in programs of 128 and 64 keys.
+two streams; then duo and the squeeze with the streaming heads' windows in programs of 256 and 128 keys (served: 64).
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
@@ -748,7 +748,7 @@ def layer_timeline(graph: torch.cuda.CUDAGraph, marker: str = "_centroid_logits_
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     marks = [e["ts"] for e in kernels if marker in e["name"]]
     if len(marks) < layer + 2:
@@ -1132,7 +1132,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                 timed(label, fn)
             res["timeline"] = timeline = layer_timeline(capture(served_rows[1][1]))
             print_timeline(f"{case} squeeze 1/16 as served: one layer", timeline)
-            for window_split in (128, 64):  # streaming heads' window keys per program (served: 256)
+            for window_split in (256, 128):  # streaming heads' window keys per program (served: 64)
                 with patch.object(decode, "STREAM_WINDOW_SPLIT", window_split):
                     for label, fn in served_rows[:2]:
                         timed(f"{label}, streaming windows in programs of {window_split} keys", fn)

@@ -317,8 +317,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
         MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        num_warps=4,
-        num_stages=num_stages)
+        num_warps=4, num_stages=num_stages)
     if merged:
         _merge_kernel[(num_reqs, len(merged) * G)](
             output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
