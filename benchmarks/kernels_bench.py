@@ -1150,12 +1150,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                                                                        one_launch=False)))
             for label, fn in served_rows + four:
                 timed(label, fn)
-            for key, fn, marker in (("timeline", served_rows[1][1], "_lookup_kernel"),
-                                    ("timeline_four_launches", four[0][1], "_centroid_logits_kernel")):
-                res[key] = timeline = layer_timeline(capture(fn), marker)
-                print_timeline(f"{case} {key}: one layer", timeline)
+            for name, fn, marker in (("timeline", served_rows[1][1], "_lookup_kernel"),
+                                     ("timeline_four_launches", four[0][1], "_centroid_logits_kernel")):
+                res[name] = timeline = layer_timeline(capture(fn), marker)
+                print_timeline(f"{case} {name}: one layer", timeline)
             # the one launch's settings: programs per SM, warps and stages, a launch without the driver's check
-            for label, name, value in (("4 programs an SM", "LOOKUP_PROGRAMS_PER_SM", 4),
+            for label, name, value in (("2 programs an SM", "LOOKUP_PROGRAMS_PER_SM", 2),
                                        ("3 programs an SM", "LOOKUP_PROGRAMS_PER_SM", 3),
                                        ("8 warps, 3 stages", "LOOKUP_LAUNCH", dict(num_warps=8, num_stages=3)),
                                        ("not cooperative", "LOOKUP_COOPERATIVE", False)):

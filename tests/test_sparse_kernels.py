@@ -437,8 +437,9 @@ def test_lookup_in_one_launch_on_the_gpu(programs_per_sm, monkeypatch):
         return staged, lists, fused, fused_lists
 
     def assert_equal(staged, lists, fused, fused_lists):
-        for name in ("above", "counts", "ends"):
-            assert torch.equal(getattr(fused, name), getattr(staged, name)), name
+        assert torch.equal(fused.above, staged.above) and torch.equal(fused.counts, staged.counts)
+        read = contexts >= 0  # a row without a context has no runs: its ends are not written
+        assert torch.equal(fused.ends[read], staged.ends[read])
         lens = lists[1]
         assert torch.equal(fused_lists[1], lens) and torch.equal(fused_lists[2], lists[2])
         live = torch.arange(lists[0].shape[1], device=CUDA) < lens[:, None]
