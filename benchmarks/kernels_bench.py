@@ -38,8 +38,8 @@ decode alone, and with bf16 centroids; at 1/16 the layer as served (the lookup, 
 cache row listing the selected keys, merged with FlashAttention's window pass, which runs beside the lookup with the
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
-its lookup, and its lookup alone), the squeeze with its lookup in four launches instead of one (kernels/lookup.py),
-and one layer of each as the GPU ran it, kernel by kernel on its two streams; then the one launch's settings.
+its lookup, and its lookup alone), and one layer of the squeeze's step as the GPU ran it, kernel by kernel on its
+two streams; then duo and the squeeze with the streaming heads' windows in programs of 256 and 128 keys (served: 64).
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
@@ -954,9 +954,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
     without its lookup and its lookup alone, and one layer's timeline (`--squeeze-sweep`).
     `eager_steps`: at 4 x 128k, only that many squeezed steps as served, eagerly, for a profiler (`--squeeze-ncu`)."""
     from vllm_duo import gpu_attention
+    from vllm_duo.kernels import decode
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
-    from vllm_duo.kernels import lookup
     from vllm_duo.kernels.clustering import to_csr
     from vllm_duo.kernels.row_pages import run_pages
     from vllm_duo.kernels.selection import band_runs, centroid_scores, select_banded, select_positions
@@ -1038,31 +1038,20 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
             runs = band_runs(scored, offsets, budgets[k][:, :R], max_selected)
             d = layouts[R]
             return run_pages(runs, positions, None, ends, d.table, d.heads, d.cache, max_selected)
-
-        rows_read = torch.arange(batch, dtype=torch.int32, device=DEV)  # each row its own context
-        waits = torch.zeros(batch * max(counts), dtype=torch.int32, device=DEV)
-
-        def lookup_lists(R, k, store):
-            """The same lists by the served lookup in one launch (kernels/lookup.py)."""
-            centroids, sizes, offsets, positions, scales, radii = store[R]
-            d, max_selected = layouts[R], max_selected_at(k, KEYS_PER_CLUSTER)
-            return lookup.lookup_pages(query, centroids, sizes, d.heads, qsl, SCALE, rows_read, scales, radii,
-                                       SqueezeSettings().radius_weight, offsets, budgets[k][:, :R], max_selected,
-                                       positions, ends, d.table, d.cache, waits)[1]
         window_tables = {R: torch.empty_like(table) for R, table in retrieval_tables.items()}
         window_lens = sl - ends
         for R, table in retrieval_tables.items():
             window_pages(table, ends, BLOCK, window_tables[R])
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
-                 store=stores, served=False, keys_per_cluster=KEYS_PER_CLUSTER, one_launch=True):
+                 store=stores, served=False, keys_per_cluster=KEYS_PER_CLUSTER):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
             clusters (of `keys_per_cluster` keys on average); `served`: the squeeze's layer as the backend runs it
             (duo_attention_gpu: the lookup, then FlashAttention over the selected rows and the merge,
             FlashAttention's window pass and the streaming heads beside them; with `attend` False its lookup alone:
-            the scores, the runs and the page lists; `one_launch` False: the lookup as four launches)."""
+            the scores, the runs and the page lists)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -1077,16 +1066,10 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
 
                     def retrieval(attend_rows=None):
                         if attend_rows is not None:  # served: FlashAttention over the page lists
-                            if not lookup:
-                                lists = selections[R]
-                            elif one_launch and keys_per_cluster == KEYS_PER_CLUSTER:
-                                lists = lookup_lists(R, budget, store)
-                            else:
-                                lists = page_lists(
-                                    centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE,
-                                                    centroid_scales=scales, radii=radii,
-                                                    radius_weight=SqueezeSettings().radius_weight),
-                                    offsets, positions, R, budget, keys_per_cluster)
+                            lists = selections[R] if not lookup else page_lists(
+                                centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE, centroid_scales=scales,
+                                                radii=radii, radius_weight=SqueezeSettings().radius_weight),
+                                offsets, positions, R, budget, keys_per_cluster)
                             if attend:
                                 attend_rows(*lists, ends)
                             return
@@ -1145,23 +1128,16 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                            ("squeeze 1/16: lookup as served only", step(16, served=True, attend=False)),
                            ("squeeze 1/16 as served without the lookup",
                             step(16, served=True, lookup=False, selections=selections_at(16, served=True))))
-            four = (("squeeze 1/16, lookup in four launches", step(16, served=True, one_launch=False)),
-                    ("squeeze 1/16: lookup in four launches only", step(16, served=True, attend=False,
-                                                                       one_launch=False)))
-            for label, fn in served_rows + four:
+            for label, fn in served_rows:
                 timed(label, fn)
-            for name, fn, marker in (("timeline", served_rows[1][1], "_lookup_kernel"),
-                                     ("timeline_four_launches", four[0][1], "_centroid_logits_kernel")):
-                res[name] = timeline = layer_timeline(capture(fn), marker)
-                print_timeline(f"{case} {name}: one layer", timeline)
-            # the one launch's settings: programs per SM, warps and stages, a launch without the driver's check
-            for label, name, value in (("2 programs an SM", "LOOKUP_PROGRAMS_PER_SM", 2),
-                                       ("3 programs an SM", "LOOKUP_PROGRAMS_PER_SM", 3),
-                                       ("8 warps, 3 stages", "LOOKUP_LAUNCH", dict(num_warps=8, num_stages=3)),
-                                       ("not cooperative", "LOOKUP_COOPERATIVE", False)):
-                with patch.object(lookup, name, value):
-                    for row, fn in served_rows[1:3]:
-                        timed(f"{row}, {label}", fn)
+            res["timeline"] = timeline = layer_timeline(capture(served_rows[1][1]))
+            print_timeline(f"{case} squeeze 1/16 as served: one layer", timeline)
+            for window_split in (256, 128):  # streaming heads' window keys per program (served: 64)
+                with patch.object(decode, "STREAM_WINDOW_SPLIT", window_split):
+                    for label, fn in served_rows[:2]:
+                        timed(f"{label}, streaming windows in programs of {window_split} keys", fn)
+                    res[f"timeline_window_{window_split}"] = timeline = layer_timeline(capture(served_rows[1][1]))
+                    print_timeline(f"{case} squeeze 1/16 as served, windows of {window_split}: one layer", timeline)
             results.append(res)
             continue
 

@@ -43,27 +43,25 @@ def _run_pages_kernel(offsets_ptr, positions_ptr, context_ids_ptr, above_ptr, en
                       stride_cr: tl.int64, stride_ch: tl.int64, stride_er: tl.int64, stride_eh: tl.int64,
                       stride_es: tl.int64, stride_table: tl.int64, stride_pe: tl.int64, BLOCK_SIZE: tl.constexpr,
                       SLOTS: tl.constexpr, SEARCH_STEPS: tl.constexpr, CONTEXTS: tl.constexpr):
-    """Grid (num_reqs, R, programs): SLOTS entries of entry (req, head)'s page list at a time, its sinks then its
-    selected keys (`_run_positions` finds them in the runs), as cache row ids, chunk `program_id(2)` and every
-    `programs`-th after it (one chunk a program at cdiv(list_len, SLOTS) programs); the program of an entry's first
-    chunk writes its length (0 at a row without context) and its query start."""
-    req, head = tl.program_id(0), tl.program_id(1)
+    """Grid (num_reqs, R, cdiv(list_len, SLOTS)): SLOTS entries of entry (req, head)'s page list, its sinks then its
+    selected keys (`_run_positions` finds them in the runs), as cache row ids; the first program of an entry writes
+    its length (0 at a row without context) and its query start."""
+    req, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     entry = req * num_retrieval + head
     squeezed = tl.load(context_ends_ptr + req) > 0
     count = tl.minimum(tl.load(counts_ptr + req * stride_cr + head * stride_ch), max_selected)
     length = tl.where(squeezed, sink + count, 0)
+    index = chunk * SLOTS + tl.arange(0, SLOTS)
+    live = index < length
     context = tl.maximum(_context_of(context_ids_ptr, req, CONTEXTS), 0)  # without one the length is 0
-    for chunk in range(tl.program_id(2), tl.cdiv(list_len, SLOTS), tl.num_programs(2)):
-        index = chunk * SLOTS + tl.arange(0, SLOTS)
-        live = index < length
-        chosen = _run_positions(index - sink, live & (index >= sink), req, head, context, offsets_ptr, positions_ptr,
-                                above_ptr, ends_ptr, num_clusters, stride_ox, stride_oh, stride_px, stride_ph,
-                                stride_cr, stride_ch, stride_er, stride_eh, stride_es, SEARCH_STEPS)
-        pos = tl.where(index < sink, index, chosen)
-        block = tl.load(block_table_ptr + req * stride_table + pos // BLOCK_SIZE * stride, mask=live, other=0)
-        row = block.to(tl.int64) * block_rows + (pos % BLOCK_SIZE) * token_rows + head
-        tl.store(pages_ptr + entry * stride_pe + index, tl.where(live, row, 0).to(tl.int32), mask=index < list_len)
-    if tl.program_id(2) == 0:
+    chosen = _run_positions(index - sink, live & (index >= sink), req, head, context, offsets_ptr, positions_ptr,
+                            above_ptr, ends_ptr, num_clusters, stride_ox, stride_oh, stride_px, stride_ph, stride_cr,
+                            stride_ch, stride_er, stride_eh, stride_es, SEARCH_STEPS)
+    pos = tl.where(index < sink, index, chosen)
+    block = tl.load(block_table_ptr + req * stride_table + pos // BLOCK_SIZE * stride, mask=live, other=0)
+    row = block.to(tl.int64) * block_rows + (pos % BLOCK_SIZE) * token_rows + head
+    tl.store(pages_ptr + entry * stride_pe + index, tl.where(live, row, 0).to(tl.int32), mask=index < list_len)
+    if chunk == 0:
         tl.store(lens_ptr + entry, length)
         tl.store(cu_ptr + entry, entry)
         if entry == tl.num_programs(0) * num_retrieval - 1:
@@ -91,37 +89,22 @@ def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torc
     """
     sink = heads.sink
     (num_reqs, R), C = runs.counts.shape, runs.ends.shape[-1]
-    pages, lens, starts = page_lists(num_reqs * R, sink + max_selected, runs.counts.device)
-    list_len = pages.shape[1]
+    list_len = sink + max_selected
     device = runs.counts.device
+    pages = torch.empty(num_reqs * R, list_len, dtype=torch.int32, device=device)
+    lens = torch.empty(num_reqs * R, dtype=torch.int32, device=device)
+    starts = torch.empty(num_reqs * R + 1, dtype=torch.int32, device=device)
     if num_reqs * R == 0:
         return pages, lens, starts.zero_()
-    slots = page_slots(device)
+    slots = PAGE_SLOTS if device.type == "cuda" else 16
     contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
     _run_pages_kernel[(num_reqs, R, triton.cdiv(list_len, slots))](
         runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, context_ends, block_table,
-        pages, lens, starts, C, R, heads.stride, sink, max_selected, list_len, *cache_rows(cache),
-        *runs.offsets.stride()[:2], *cluster_positions.stride()[:2],
+        pages, lens, starts, C, R, heads.stride, sink, max_selected, list_len, cache.stride(0) // cache.shape[-1],
+        cache.stride(2) // cache.shape[-1], *runs.offsets.stride()[:2], *cluster_positions.stride()[:2],
         *runs.counts.stride(), *runs.ends.stride()[:3], block_table.stride(0), pages.stride(0),
         BLOCK_SIZE=cache.shape[2], SLOTS=slots, SEARCH_STEPS=max(C, 1).bit_length(), CONTEXTS=context_ids is not None)
     return pages, lens, starts
-
-
-def page_slots(device: torch.device) -> int:
-    """List entries per chunk of `_run_pages_kernel`: PAGE_SLOTS on GPU, 16 on the CPU interpreter."""
-    return PAGE_SLOTS if device.type == "cuda" else 16
-
-
-def cache_rows(cache: torch.Tensor) -> tuple[int, int]:
-    """(rows between blocks, rows between tokens) of a duo cache `row_views` sees: how a page list names a row."""
-    return cache.stride(0) // cache.shape[-1], cache.stride(2) // cache.shape[-1]
-
-
-def page_lists(entries: int, list_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (pages, lens, starts) `run_pages` writes for `entries` lists of `list_len` entries."""
-    return (torch.empty(entries, list_len, dtype=torch.int32, device=device),
-            torch.empty(entries, dtype=torch.int32, device=device),
-            torch.empty(entries + 1, dtype=torch.int32, device=device))
 
 
 def row_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

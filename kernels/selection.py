@@ -116,6 +116,7 @@ def _centroid_logits_kernel(query_ptr, centroids_ptr, centroid_scales_ptr, sizes
 
 SCORE_BANDS = 256  # bands of 12.5% below a row's top band, the last holding every score 2^-32 below or lower
 BAND_OCTAVE = 8  # bands per octave: the ends kernel finds the cut octave (of 32), then the cut band within it
+BAND_COUNT_CLUSTERS = 64  # clusters the scores kernel counts into octaves at once: a [64, 32] one-hot
 
 
 @triton.jit
@@ -216,8 +217,7 @@ def _page_scores_kernel(query_ptr, summaries_ptr, scores_ptr, retrieval_kv_ptr, 
 
 
 def _score_tiles(device: torch.device) -> int:
-    """Centroids or pages per chunk: tensor-core sized on GPU, the smallest tl.dot takes on the CPU interpreter (the
-    scores kernel counts a chunk's clusters into octaves at once: a [64, 32] one-hot on GPU)."""
+    """Centroids or pages per tile: tensor-core sized on GPU, the smallest tl.dot takes on the CPU interpreter."""
     return 64 if device.type == "cuda" else 16
 
 
@@ -269,13 +269,31 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         `ClusterScores`: `.scores` `[num_reqs, R, C]` float32 (a request without query tokens gets some other
         token's).
     """
-    plan = score_plan(query, centroids, sizes, heads, query_start_loc, radii, SCORE_PROGRAMS_PER_SM)
-    scored, logits, part_m, part_l = plan.scored, plan.logits, plan.part_m, plan.part_l
-    if plan.empty:
+    num_reqs, R, C = query_start_loc.shape[0] - 1, heads.num_retrieval, centroids.shape[2]
+    device = query.device
+    block_c = _score_tiles(device)
+    chunks, tiles = _score_split(num_reqs * R, C, block_c, device)
+    # the kernels write every score, top band and key count
+    scored = ClusterScores(torch.empty(num_reqs, R, C, dtype=torch.float32, device=device),
+                           torch.empty(num_reqs, R, dtype=torch.int32, device=device),
+                           torch.empty(num_reqs, R, tiles, SCORE_BANDS // BAND_OCTAVE, dtype=torch.int32,
+                                       device=device),
+                           torch.empty(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device),
+                           chunks * block_c)
+    if query.shape[0] == 0 or num_reqs == 0 or R == 0 or C == 0:
+        for tensor in scored[:4]:
+            tensor.zero_()
         return scored
-    num_reqs, R, C = scored.scores.shape
-    tiles = scored.band_keys.shape[2]
+    if centroids.shape[1] != R or centroids.shape[-1] != query.shape[-1] or centroids.stride(-1) != 1:
+        raise ValueError(f"centroids {tuple(centroids.shape)} must be [contexts, {R}, C, {query.shape[-1]}], "
+                         "unit last stride")
+    head_dim, G = query.shape[-1], heads.group_size
+    block_g = max(16, triton.next_power_of_2(G))
     scores = scored.scores
+    logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=device)
+    part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=device) for _ in range(2))
+    if radii is not None and radii.stride() != sizes.stride():
+        raise ValueError(f"radii {tuple(radii.shape)} must have the strides of sizes {tuple(sizes.shape)}")
     # without context ids, scales or radii the kernels read none: `scores` stands in for the pointer
     scales = scores if centroid_scales is None else centroid_scales
     contexts = scores if context_ids is None else context_ids
@@ -284,75 +302,33 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         scored.band_keys, heads.retrieval_kv, query_start_loc, scale * LOG2E, radius_weight * scale * LOG2E, C,
         *query.stride()[:2], *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3],
         *part_m.stride()[:3], *scored.band_keys.stride()[:3],
-        G=heads.group_size, BLOCK_G=plan.block_g, BLOCK_C=plan.block_c, TILE_CHUNKS=plan.chunks,
-        HEAD_DIM=query.shape[-1], BLOCK_D=triton.next_power_of_2(query.shape[-1]), CONTEXTS=context_ids is not None,
+        G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
         SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, BANDS=SCORE_BANDS,
         **LOGITS_LAUNCH)
+    count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
     _centroid_scores_kernel[(num_reqs, R, tiles)](
         logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.octave_keys, scored.band_keys, C,
         tiles, *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
         *scored.top_bands.stride(), *scored.octave_keys.stride()[:3], *scored.band_keys.stride()[:3],
-        G=heads.group_size, BLOCK_G=plan.block_g, BLOCK_C=plan.block_c, TILE_CHUNKS=plan.chunks,
+        G=G, BLOCK_G=block_g, BLOCK_C=count_c, TILE_CHUNKS=chunks * block_c // count_c,
         BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None,
         num_warps=4)
     return scored
-
-
-class ScorePlan(NamedTuple):
-    """`score_plan`'s result: `centroid_scores`' result to be written and its kernels' scratch and tiles."""
-
-    scored: ClusterScores
-    logits: torch.Tensor  # [num_reqs, R, G, C] float32
-    part_m: torch.Tensor  # [num_reqs, R, tiles, block_g] float32: each tile's running max per query head
-    part_l: torch.Tensor  # likewise, its sum of N_j exp2(s_j - max)
-    chunks: int  # chunks of block_c clusters per tile
-    block_c: int
-    block_g: int
-    empty: bool  # nothing to score: `scored` is zeroed
-
-
-def score_plan(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, heads: LayerHeads,
-               query_start_loc: torch.Tensor, radii: torch.Tensor | None, programs_per_sm: int) -> ScorePlan:
-    """The tensors `centroid_scores` writes (`programs_per_sm` sets its tiles: `_score_split`), after checking its
-    arguments' shapes."""
-    num_reqs, R, C = query_start_loc.shape[0] - 1, heads.num_retrieval, centroids.shape[2]
-    device = query.device
-    block_c = _score_tiles(device)
-    chunks, tiles = _score_split(num_reqs * R, C, block_c, device, programs_per_sm)
-    # the kernels write every score, top band and key count
-    scored = ClusterScores(torch.empty(num_reqs, R, C, dtype=torch.float32, device=device),
-                           torch.empty(num_reqs, R, dtype=torch.int32, device=device),
-                           torch.empty(num_reqs, R, tiles, SCORE_BANDS // BAND_OCTAVE, dtype=torch.int32,
-                                       device=device),
-                           torch.empty(num_reqs, R, tiles, SCORE_BANDS, dtype=torch.int32, device=device),
-                           chunks * block_c)
-    G, block_g = heads.group_size, max(16, triton.next_power_of_2(heads.group_size))
-    logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=device)
-    part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=device) for _ in range(2))
-    empty = query.shape[0] == 0 or num_reqs == 0 or R == 0 or C == 0
-    if empty:
-        for tensor in scored[:4]:
-            tensor.zero_()
-    elif centroids.shape[1] != R or centroids.shape[-1] != query.shape[-1] or centroids.stride(-1) != 1:
-        raise ValueError(f"centroids {tuple(centroids.shape)} must be [contexts, {R}, C, {query.shape[-1]}], "
-                         "unit last stride")
-    elif radii is not None and radii.stride() != sizes.stride():
-        raise ValueError(f"radii {tuple(radii.shape)} must have the strides of sizes {tuple(sizes.shape)}")
-    return ScorePlan(scored, logits, part_m, part_l, chunks, block_c, block_g, empty)
 
 
 SCORE_PROGRAMS_PER_SM = 4  # the centroid kernels' programs per SM, at most 64 tiles per row
 LOGITS_LAUNCH = dict(num_warps=4, num_stages=3)  # the logits kernel's (3 stages: Triton's default on sm_90)
 
 
-def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.device,
-                 programs_per_sm: int) -> tuple[int, int]:
-    """(chunks of block_c clusters per program, tiles per row): about `programs_per_sm` programs per SM, at most 64
-    tiles per row; on the CPU one chunk per tile (the interpreter tests the split)."""
+def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.device) -> tuple[int, int]:
+    """(chunks of block_c clusters per program, tiles per row): enough programs to fill the GPU
+    (SCORE_PROGRAMS_PER_SM) with at most 64 tiles per row; on the CPU one chunk per tile (the interpreter tests the
+    split)."""
     chunks_needed = triton.cdiv(num_clusters, block_c)
     if device.type != "cuda":
         return 1, chunks_needed
-    want = min(64, triton.cdiv(programs_per_sm * _sm_count(device.index), max(rows, 1)))
+    want = min(64, triton.cdiv(SCORE_PROGRAMS_PER_SM * _sm_count(device.index), max(rows, 1)))
     chunks = max(1, triton.cdiv(chunks_needed, want))  # 1 without clusters
     return chunks, triton.cdiv(chunks_needed, chunks)
 
@@ -646,7 +622,11 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
     counted) and the running ends of the two runs. Arguments as `select_banded`'s."""
     scores = scored.scores
     num_reqs, R, C = scores.shape
-    above, ends, counts, offsets = runs = run_buffers(scored, cluster_offsets)
+    device = scores.device
+    counts = torch.empty(num_reqs, R, dtype=torch.int32, device=device)  # the ends kernel writes every row's
+    above = torch.empty_like(counts)
+    ends = torch.empty(num_reqs, R, 2, C, dtype=torch.int32, device=device)
+    offsets = cluster_offsets.to(torch.int32)
     if num_reqs == 0 or R == 0 or C == 0:
         return BandRuns(above.zero_(), ends, counts.zero_(), offsets)
     tiles = scored.band_keys.shape[2]
@@ -658,15 +638,7 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
         *scored.band_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
         TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=triton.next_power_of_2(tiles),
         BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
-    return runs
-
-
-def run_buffers(scored: ClusterScores, cluster_offsets: torch.Tensor) -> BandRuns:
-    """The `BandRuns` the ends kernel fills for `scored`'s rows (it writes every row's counts and keys above)."""
-    num_reqs, R, C = scored.scores.shape
-    counts = torch.empty(num_reqs, R, dtype=torch.int32, device=scored.scores.device)
-    ends = torch.empty(num_reqs, R, 2, C, dtype=torch.int32, device=counts.device)
-    return BandRuns(torch.empty_like(counts), ends, counts, cluster_offsets.to(torch.int32))
+    return BandRuns(above, ends, counts, offsets)
 
 
 def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sink: int, recent: int,

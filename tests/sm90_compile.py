@@ -27,8 +27,7 @@ from vllm_duo.kernels.clustering import NEAREST_TILE, _nearest_centre_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
 from vllm_duo.kernels.reference import FP8_FORMATS
-from vllm_duo.kernels.lookup import LOOKUP_LAUNCH, _lookup_kernel
-from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS, SCORE_BANDS,
+from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS, SCORE_BANDS,
                                          _band_ends_kernel, _band_gather_kernel, _centroid_logits_kernel,
                                          _centroid_scores_kernel, _page_scores_kernel, _score_tiles)
 from vllm_duo.kernels.row_pages import PAGE_SLOTS, _merge_rows_kernel, _run_pages_kernel
@@ -144,14 +143,9 @@ def cases():
             yield (f"centroid logits {tag}", _centroid_logits_kernel, model, cache,
                    dict(common, BLOCK_C=tile, TILE_CHUNKS=4, CONTEXTS=True, SCALED=bool(fp8), RADII=True,
                         BANDS=SCORE_BANDS), {})
-        if "logits" in variants:  # the served lookup in one launch: tiles of 8 chunks at 4 x 128k, 2 programs an SM
-            yield (f"lookup {tag}", _lookup_kernel, model, cache,
-                   dict(common, BLOCK_C=tile, TILE_CHUNKS=8, SCALED=True, RADII=True, BLOCK_T=16,
-                        BLOCK_E=8 * tile, SLOTS=PAGE_SLOTS, SEARCH_STEPS=14, BLOCK_SIZE=16, BANDS=SCORE_BANDS,
-                        OCTAVE=BAND_OCTAVE), LOOKUP_LAUNCH)
         if "scores" in variants:
             yield (f"centroid scores {tag}", _centroid_scores_kernel, model, cache,
-                   dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=tile, TILE_CHUNKS=16, BLOCK_T=64,
+                   dict(G=G, BLOCK_G=common["BLOCK_G"], BLOCK_C=BAND_COUNT_CLUSTERS, TILE_CHUNKS=16, BLOCK_T=64,
                         BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=True), {})
             yield f"page scores {tag}", _page_scores_kernel, model, cache, dict(common, BLOCK_P=tile, BLOCK_SIZE=16), {}
             for clusters in (4 * tile, 16 * tile):  # tiles of 4 chunks at 4 x 128k, the widest ends chunk

@@ -355,8 +355,7 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     budget (or every key there is) and less than one cluster more."""
     if chunks > 1:
         monkeypatch.setattr("vllm_duo.kernels.selection._score_split",
-                            lambda rows, clusters, block_c, device, _per_sm: (chunks,
-                                                                              -(-clusters // (chunks * block_c))))
+                            lambda rows, clusters, block_c, device: (chunks, -(-clusters // (chunks * block_c))))
     num_reqs, R = 4, 3
     lengths = [150, 7, 93, 164]
     num_contexts = 2 if shared else num_reqs
@@ -397,68 +396,6 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
                           max_selected)
         assert_lists_read(pages, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
                                                  if ends[req] else [] for head in range(R)] for req in range(num_reqs)])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("programs_per_sm", [2, 4])
-def test_lookup_in_one_launch_on_the_gpu(programs_per_sm, monkeypatch):
-    """`lookup_pages`' one launch (its phases waiting for each other at per-row counters) equals the lookup as four
-    launches (`centroid_scores`, `band_runs`, `run_pages`) bit for bit: runs and page lists, at 4 x 128k's shape
-    (fp8 centroids, radii, 4 retrieval heads of G 4) with a row that reads no context and two that share one; again
-    and again from a CUDA graph (the counters come back to zero)."""
-    from vllm_duo.kernels import lookup
-
-    monkeypatch.setattr(lookup, "LOOKUP_PROGRAMS_PER_SM", programs_per_sm)
-    torch.manual_seed(0)
-    num_reqs, R, C, length, max_selected, block_size = 4, 4, 8192, 131_072, 8192, 16
-    offsets, positions = clustered(3, R, [length, length // 2, length], C)
-    offsets, positions = offsets.to(CUDA), positions.to(CUDA) + 64
-    heads = LayerHeads.build([0, 2, 5, 7], 8, 32, 2, 64, 256, device=CUDA)  # G 4, sink 64
-    query = torch.randn(num_reqs, 32, 128, dtype=torch.bfloat16, device=CUDA)
-    starts = torch.arange(num_reqs + 1, dtype=torch.int32, device=CUDA)
-    centroids = (torch.randn(3, R, C, 128, device=CUDA) * 0.3).to(torch.float8_e4m3fn)
-    scales = torch.rand(3, R, device=CUDA) + 0.5
-    sizes = offsets.diff(dim=-1)
-    radii = torch.rand(3, R, C, device=CUDA)
-    contexts = torch.tensor([2, -1, 0, 2], dtype=torch.int32, device=CUDA)
-    context_ends = torch.tensor([length, 0, length // 2, length], dtype=torch.int32, device=CUDA)
-    budget = torch.tensor([8000, 0, 3000, 8192], dtype=torch.int32, device=CUDA)[:, None].expand(-1, R)
-    blocks = num_reqs * 2 * (length // block_size + 4)  # 2 columns a block (stride 2), the sinks past the context
-    table = torch.randperm(blocks, device=CUDA).int().view(num_reqs, -1)
-    cache = torch.empty(table.numel(), 2, block_size, R, 128, dtype=torch.float8_e4m3fn, device=CUDA)
-    waits = torch.zeros(num_reqs * R, dtype=torch.int32, device=CUDA)
-
-    def both():
-        args = (query, centroids, sizes, heads, starts, 0.1, contexts, scales, radii, 0.5)
-        staged = band_runs(centroid_scores(*args), offsets, budget, max_selected, contexts)
-        lists = run_pages(staged, positions, contexts, context_ends, table, heads, cache, max_selected)
-        fused, fused_lists = lookup.lookup_pages(*args, offsets, budget, max_selected, positions, context_ends, table,
-                                                 cache, waits)
-        return staged, lists, fused, fused_lists
-
-    def assert_equal(staged, lists, fused, fused_lists):
-        assert torch.equal(fused.above, staged.above) and torch.equal(fused.counts, staged.counts)
-        read = contexts >= 0  # a row without a context has no runs: its ends are not written
-        assert torch.equal(fused.ends[read], staged.ends[read])
-        lens = lists[1]
-        assert torch.equal(fused_lists[1], lens) and torch.equal(fused_lists[2], lists[2])
-        live = torch.arange(lists[0].shape[1], device=CUDA) < lens[:, None]
-        assert torch.equal(torch.where(live, fused_lists[0], 0), torch.where(live, lists[0], 0))
-        assert (waits == 0).all()
-
-    eager = both()
-    assert (eager[1][1] > 8000).sum() == 2 * R  # rows 0 and 3 select about their budgets, beyond the sinks
-    assert_equal(*eager)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = both()
-    for _ in range(3):
-        for out in (captured[2].counts, captured[3][0]):
-            out.fill_(-1)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_equal(*captured)
-        assert torch.equal(captured[2].counts, eager[2].counts)
 
 
 def summarized(case: Case) -> torch.Tensor:

@@ -60,7 +60,7 @@ from vllm_duo.config import SqueezeSettings
 from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, cluster_radii, to_csr
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, read_retrieval
-from vllm_duo.kernels.lookup import lookup_pages
+from vllm_duo.kernels.row_pages import run_pages
 from vllm_duo.kernels.selection import BandRuns, band_runs, centroid_scores, gather_positions
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
@@ -161,8 +161,6 @@ class ClusteredContexts:
         self.steps = 0
         self.built = self.shared = 0  # contexts clustered; prompts that read one clustered for an earlier prompt
         self.rows = torch.zeros(4, max_rows, dtype=torch.int32, device=device)  # `stage`'s buffer, up to max_rows rows
-        # the served lookup's counters, one per (row, retrieval head): kernels/lookup.py
-        self.waits = torch.zeros(max_rows * max(retrieval_per_layer, default=0), dtype=torch.int32, device=device)
         # with `count_reads`, over every squeezed decode row and retrieval head so far: keys read beyond the sinks and
         # the window, keys there
         self.reads = torch.zeros(2, dtype=torch.int64, device=device)
@@ -308,15 +306,10 @@ class ClusteredContexts:
         them where FlashAttention has read the window (gpu_attention.selected_rows_attention); None: the Triton
         sparse decode reads all of it. Fixed shapes and no host syncs: CUDA-graph capturable."""
         max_selected = self.settings.max_selected()
+        runs = self.runs(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale, max_selected)
         if attend is not None:
-            runs, lists = lookup_pages(query, self.centroids[layer], self.sizes[layer], heads, query_start_loc, scale,
-                                       rows.context_ids, self.scales_of(layer), self.radii[layer],
-                                       self.settings.radius_weight, self.offsets[layer],
-                                       rows.budget[:, None].expand(-1, heads.num_retrieval), max_selected,
-                                       self.positions[layer], rows.context_ends, block_table, cache, self.waits)
-            attend(*lists, rows.context_ends)
-        else:
-            runs = self.runs(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale, max_selected)
+            attend(*run_pages(runs, self.positions[layer], rows.context_ids, rows.context_ends, block_table, heads,
+                              cache, max_selected), rows.context_ends)
         if attend is None or self.settings.count_reads:
             selected, counts = gather_positions(runs, self.positions[layer], max_selected, rows.context_ids)
             if attend is None:
