@@ -39,7 +39,8 @@ cache row listing the selected keys, merged with FlashAttention's window pass, w
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
 its lookup, and its lookup alone), and one layer of the squeeze's step as the GPU ran it, kernel by kernel on its
-two streams; then duo and the squeeze with the streaming heads' windows in programs of 256 and 128 keys (served: 64).
+two streams; then bounds: the squeeze without its window pass and merge, or without its streaming heads, and its row
+pass in 8 to 64 FlashAttention splits (served: 32).
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
@@ -51,6 +52,7 @@ benchmarks/results/ without $OUT).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -954,7 +956,6 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
     without its lookup and its lookup alone, and one layer's timeline (`--squeeze-sweep`).
     `eager_steps`: at 4 x 128k, only that many squeezed steps as served, eagerly, for a profiler (`--squeeze-ncu`)."""
     from vllm_duo import gpu_attention
-    from vllm_duo.kernels import decode
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
@@ -1132,12 +1133,22 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                 timed(label, fn)
             res["timeline"] = timeline = layer_timeline(capture(served_rows[1][1]))
             print_timeline(f"{case} squeeze 1/16 as served: one layer", timeline)
-            for window_split in (256, 128):  # streaming heads' window keys per program (served: 64)
-                with patch.object(decode, "STREAM_WINDOW_SPLIT", window_split):
-                    for label, fn in served_rows[:2]:
-                        timed(f"{label}, streaming windows in programs of {window_split} keys", fn)
-                    res[f"timeline_window_{window_split}"] = timeline = layer_timeline(capture(served_rows[1][1]))
-                    print_timeline(f"{case} squeeze 1/16 as served, windows of {window_split}: one layer", timeline)
+            # bounds, not served: the layer without what runs beside the lookup (what folding the window pass, or
+            # the streaming heads, into the row pass could save at most: the row pass would read the window's
+            # few hundred keys more), and the row pass's FlashAttention splits (served: 32 at 16 entries)
+            def window_skipped(*_args, queries=None, **_kwargs):
+                return queries, None
+            for label, patches in (
+                    ("without the window pass and the merge",
+                     ((gpu_attention, "retrieval_flash_attention", window_skipped),
+                      (gpu_attention, "merge_rows", lambda *args: None))),
+                    ("without the streaming heads", ((gpu_attention, "triton_attention", lambda *args, **kw: None),)),
+                    *((f"row pass in {n} splits", ((gpu_attention, "row_splits", lambda *_, n=n: n),))
+                      for n in (8, 16, 24, 48, 64))):
+                with contextlib.ExitStack() as stack:
+                    for module, name, value in patches:
+                        stack.enter_context(patch.object(module, name, value))
+                    timed(f"squeeze 1/16 as served, {label}", served_rows[1][1])
             results.append(res)
             continue
 
