@@ -33,6 +33,10 @@ the listed method names (duo always runs: the KL reference).
 
 `--reuse 1 2 4` also runs each unit family with its selection made at every 2nd and 4th decode step only, the
 steps between reading the last one (LServe's reused selection: a lookup in every Kth step).
+`--query own prev-input prev-mid` also scores each unit family with a query speculated from an earlier point of the
+residual stream (InfiniGen's idea: a lookup that could run while the layer before computes): layer L's own input norm,
+q projection and RoPE applied to the input of layer L - 1 (`prev-input`) or to its residual after attention
+(`prev-mid`), instead of layer L's own query; layer 0 keeps its own. Attention still uses the true query.
 
 Reported per method and budget: hits per family, recall of the exact attention mass over the selectable region
 (per layer, retrieval KV head and step: selected mass / region mass, summed over the group's query heads, then the
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import platform
@@ -140,11 +145,16 @@ class Method:
     budget: int = 0
     aggregate: str = ""
     reuse: int = 1  # a unit family's selection made at every `reuse`-th decode step and kept until the next
+    query: str = "own"  # what scores the units: the layer's own query, or one speculated (`speculated_query`)
+
+    @property
+    def rule(self) -> str:
+        return self.kind + (f"/{self.aggregate}" if self.aggregate else "")
 
     @property
     def name(self) -> str:
-        return self.kind + (f"/{self.aggregate}" if self.aggregate else "") + (f"/reuse{self.reuse}"
-                                                                                if self.reuse > 1 else "")
+        return (self.rule + (f"/reuse{self.reuse}" if self.reuse > 1 else "")
+                + (f"/q-{self.query}" if self.query != "own" else ""))
 
 
 @dataclass
@@ -163,6 +173,9 @@ class Study:
     units: dict = field(default_factory=dict)  # (unit family, layer) -> Units
     method: Method | None = None
     stats: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)  # the model's decoder layers (`speculated_query`)
+    inputs: dict = field(default_factory=dict)  # layer -> (its input hidden states, position embeddings), at decode
+    mids: dict = field(default_factory=dict)  # layer -> its residual after attention, at decode
 
     def __post_init__(self):
         self.mixing = _Mixing(self.sink, self.recent)
@@ -210,6 +223,8 @@ def decode_attention(study: Study, layer: int, query, key, value, scale, retriev
         q_r = query.view(kv_heads, groups, steps, -1)[r_index]  # [h, g, A, d]
         full = torch.softmax(logits.masked_fill(~causal, -math.inf), -1).view(kv_heads, groups, steps, total)
         region_p = full[r_index][..., sink:end].sum(1)  # [h, A, n]: the group's exact mass per selectable key
+        if study.method.query != "own" and layer > 0:
+            q_r = speculated_query(study, layer).view(kv_heads, groups, steps, -1)[r_index]
         selected, read, lookup, forced = select(study, layer, q_r, region_p, scale)
         base = causal & ((k_pos < sink) | (k_pos >= end))
         view = base.expand(len(r_index), steps, total).clone()
@@ -228,6 +243,32 @@ def decode_attention(study: Study, layer: int, query, key, value, scale, retriev
     probs = torch.softmax(logits.masked_fill(~allowed, -math.inf), -1)
     out = torch.einsum("hat,htd->had", probs, values.repeat_interleave(groups, 0))
     return out.transpose(0, 1)[None].contiguous(), None
+
+
+def keep_input(study: Study, layer: int, _module, args, kwargs) -> None:
+    """A decoder layer's forward pre-hook: its input and position embeddings, at decode."""
+    if study.phase == "decode":
+        study.inputs[layer] = (args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"])
+
+
+def keep_mid(study: Study, layer: int, _module, args) -> None:
+    """The post-attention norm's forward pre-hook: the layer's residual after attention, at decode."""
+    if study.phase == "decode":
+        study.mids[layer] = args[0]
+
+
+def speculated_query(study: Study, layer: int) -> torch.Tensor:
+    """Layer `layer`'s query `[heads, A, d]` computed as that layer computes it (input norm, q projection, RoPE) from
+    the residual stream one layer earlier (`study.method.query`: prev-input or prev-mid)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    source = study.inputs[layer - 1][0] if study.method.query == "prev-input" else study.mids[layer - 1]
+    cos, sin = study.inputs[layer][1]
+    target = study.layers[layer]
+    attn = target.self_attn
+    q = attn.q_proj(target.input_layernorm(source))
+    q = q.view(*q.shape[:2], -1, attn.head_dim).transpose(1, 2)
+    return apply_rotary_pos_emb(q, q, cos, sin)[0][0]
 
 
 def select(study: Study, layer: int, q: torch.Tensor, region_p: torch.Tensor, scale: float):
@@ -320,15 +361,17 @@ def unit_families() -> list[str]:
             + [f"page{p}-{kind}" for p in PAGES for kind in ("mean", "quest")])
 
 
-def methods(names: list[str] | None = None, reuses: tuple[int, ...] = (1,)) -> list[Method]:
-    """Every method (duo first), or those whose name is in `names` and duo; each unit family's at every reuse of
-    `reuses` (a name in `names` without its /reuseK)."""
+def methods(names: list[str] | None = None, reuses: tuple[int, ...] = (1,),
+            queries: tuple[str, ...] = ("own",)) -> list[Method]:
+    """Every method (duo first), or those whose rule is in `names` and duo; each unit family's at every reuse of
+    `reuses` and with every query of `queries`."""
     listed = [Method("duo"), Method("sink+recent")]
     for budget in BUDGETS:
         listed.append(Method("oracle", budget))
-        listed += [Method(kind, budget, agg, reuse) for kind in unit_families()
-                   for agg in (AGGREGATES if kind.startswith("squeeze") else AGGREGATES[:1]) for reuse in reuses]
-    return [m for m in listed if names is None or m.kind == "duo" or m.name.split("/reuse")[0] in names]
+        listed += [Method(kind, budget, agg, reuse, query) for kind in unit_families()
+                   for agg in (AGGREGATES if kind.startswith("squeeze") else AGGREGATES[:1]) for reuse in reuses
+                   for query in queries]
+    return [m for m in listed if names is None or m.kind == "duo" or m.rule in names]
 
 
 def chunk_units(keys: torch.Tensor, sink: int, size: int, iters: int, seed: int) -> tuple[list[Units], dict]:
@@ -532,6 +575,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="method names to run, e.g. oracle squeeze-c16/max page16-mean/max (default: all)")
     parser.add_argument("--reuse", type=int, nargs="+", default=[1],
                         help="unit selections made at every Kth decode step, for each K listed (default 1: every)")
+    parser.add_argument("--query", nargs="+", default=["own"], choices=("own", "prev-input", "prev-mid"),
+                        help="what scores the units, each listed (default own: the layer's query)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -547,14 +592,17 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
     model.eval()
-    study = Study(retrieval=retrieval, sink=pattern.sink, recent=pattern.recent)
+    study = Study(retrieval=retrieval, sink=pattern.sink, recent=pattern.recent, layers=list(model.model.layers))
+    for i, layer in enumerate(study.layers):
+        layer.register_forward_pre_hook(functools.partial(keep_input, study, i), with_kwargs=True)
+        layer.post_attention_layernorm.register_forward_pre_hook(functools.partial(keep_mid, study, i))
     prompts = make_prompts(tokenizer, args.prompts, args.seed, pattern.sink, pattern.recent, tuple(args.contexts),
                            tuple(args.passkey_repeats))
     prompts = [p for pair in zip(prompts[:args.prompts], prompts[args.prompts:]) for p in pair]  # alternate families
     generator = torch.Generator().manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = methods(args.methods, tuple(args.reuse))
+    chosen = methods(args.methods, tuple(args.reuse), tuple(args.query))
     records, started, wall, machine = [], now(), time.perf_counter(), machine_info()
     for i, prompt in enumerate(prompts):
         record = run_prompt(model, study, prompt, chosen, args.kmeans_iters, generator)
