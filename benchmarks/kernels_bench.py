@@ -39,8 +39,9 @@ cache row listing the selected keys, merged with FlashAttention's window pass, w
 streaming heads), also without its lookup, and that lookup alone (its kernels profiled beside the whole layer's).
 `--squeeze-sweep`: at 4 x 128k and 1/16 only, duo's and the squeeze's layers as served (the squeeze's also without
 its lookup, and its lookup alone), and one layer of the squeeze's step as the GPU ran it, kernel by kernel on its
-two streams; then bounds: the squeeze without its window pass and merge, or without its streaming heads, and its row
-pass in 8 to 64 FlashAttention splits (served: 32).
+two streams; then bounds: the squeeze with each layer's lookup made a layer ahead beside the layer before (what a
+query speculated one layer early could save), without its window pass and merge, or without its streaming heads, and
+its row pass in 8 to 64 FlashAttention splits (served: 32).
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
@@ -854,6 +855,41 @@ def bench_long_decode(fa, rows, out_json):
                             part()
             return step
 
+        def lookahead_step(k=16):
+            """The squeeze as served, but each layer's lookup (page lists) made one layer ahead on a stream of its
+            own, beside the layer before (layer 0's on the main stream), the layer's row pass waiting for its lists:
+            a bound for a lookup scored with a query speculated from the layer before (timing only: the step's own
+            query stands in for it). Without the model's GEMMs, beside which the real one would run."""
+            ahead = torch.cuda.Stream(DEV)
+
+            def lists_for(R):
+                centroids, sizes, offsets, positions, scales, radii = stores[R]
+                return page_lists(centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
+                                                  centroid_scales=scales, radii=radii,
+                                                  radius_weight=SqueezeSettings().radius_weight),
+                                  offsets, positions, R, k)
+
+            def run():
+                main = torch.cuda.current_stream(DEV)
+                made, ready = {0: lists_for(counts[0])}, [torch.cuda.Event() for _ in counts]
+                ready[0].record(main)
+                for i, R in enumerate(counts):
+                    if i + 1 < len(counts):  # the next layer's lookup, from this layer's start
+                        ahead.wait_stream(main)
+                        with torch.cuda.stream(ahead):
+                            made[i + 1] = lists_for(counts[i + 1])
+                            ready[i + 1].record(ahead)
+
+                    def retrieval(attend_rows, i=i):
+                        main.wait_event(ready[i])
+                        attend_rows(*made[i], ends)
+                    d = layouts[R]
+                    gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
+                                                    outs[i], 1, max_len, quant=quant, retrieval_table=window_tables[R],
+                                                    retrieval_seq_lens=window_lens, squeezed=retrieval)
+                main.wait_stream(ahead)
+            return run
+
         timed = functools.partial(timed_graph, res, rows, case)
 
         # dense, as vLLM 0.26's FLASH_ATTN runs it in a full CUDA graph: cache write, q quantized (fp8), FA3 with
@@ -1133,6 +1169,10 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                 timed(label, fn)
             res["timeline"] = timeline = layer_timeline(capture(served_rows[1][1]))
             print_timeline(f"{case} squeeze 1/16 as served: one layer", timeline)
+            ahead = lookahead_step()
+            timed("squeeze 1/16, each lookup a layer ahead (a bound)", ahead)
+            res["timeline_ahead"] = timeline = layer_timeline(capture(ahead))
+            print_timeline(f"{case} squeeze 1/16, lookups a layer ahead: one layer", timeline)
             # bounds, not served: the layer without what runs beside the lookup (what folding the window pass, or
             # the streaming heads, into the row pass could save at most: the row pass would read the window's
             # few hundred keys more), and the row pass's FlashAttention splits (served: 32 at 16 entries)
