@@ -33,10 +33,13 @@ the listed method names (duo always runs: the KL reference).
 
 `--reuse 1 2 4` also runs each unit family with its selection made at every 2nd and 4th decode step only, the
 steps between reading the last one (LServe's reused selection: a lookup in every Kth step).
-`--query own prev-input prev-mid` also scores each unit family with a query speculated from an earlier point of the
-residual stream (InfiniGen's idea: a lookup that could run while the layer before computes): layer L's own input norm,
-q projection and RoPE applied to the input of layer L - 1 (`prev-input`) or to its residual after attention
-(`prev-mid`), instead of layer L's own query; layer 0 keeps its own. Attention still uses the true query.
+`--query own prev-input prev-mid prev-query` also scores each unit family with a query speculated from an earlier
+point of the residual stream (InfiniGen's idea: a lookup that could run while the layer before computes): layer L's
+own input norm, q projection and RoPE applied to the input of layer L - 1 (`prev-input`) or to its residual after
+attention (`prev-mid`), instead of layer L's own query; or (`prev-query`) `prev-input` recovered from layer L - 1's
+own query alone, as an attention backend sees it (rounded to bf16, RoPE undone): n = pinv(W_q diag(g)) q of layer
+L - 1 (singular values under QUERY_PINV_RCOND of the largest dropped), then layer L's W_q diag(g) n and RoPE, one
+matrix per layer. Layer 0 keeps its own. Attention still uses the true query.
 
 Reported per method and budget: hits per family, recall of the exact attention mass over the selectable region
 (per layer, retrieval KV head and step: selected mass / region mass, summed over the group's query heads, then the
@@ -176,6 +179,8 @@ class Study:
     layers: list = field(default_factory=list)  # the model's decoder layers (`speculated_query`)
     inputs: dict = field(default_factory=dict)  # layer -> (its input hidden states, position embeddings), at decode
     mids: dict = field(default_factory=dict)  # layer -> its residual after attention, at decode
+    queries: dict = field(default_factory=dict)  # layer -> its query [heads, A, d] (after RoPE), at decode
+    query_maps: dict = field(default_factory=dict)  # layer -> `prev-query`'s matrix, made on first use
 
     def __post_init__(self):
         self.mixing = _Mixing(self.sink, self.recent)
@@ -211,6 +216,7 @@ def decode_attention(study: Study, layer: int, query, key, value, scale, retriev
     study.keys[layer][:, prompt:total], study.values[layer][:, prompt:total] = key, value
     keys, values = study.keys[layer][:, :total], study.values[layer][:, :total]
     heads, kv_heads = query.shape[0], keys.shape[0]
+    study.queries[layer] = query
     logits = torch.einsum("had,htd->hat", query, keys.repeat_interleave(groups, 0)) * scale
     q_pos = torch.arange(prompt, total)[:, None]
     k_pos = torch.arange(total)[None, :]
@@ -262,13 +268,32 @@ def speculated_query(study: Study, layer: int) -> torch.Tensor:
     the residual stream one layer earlier (`study.method.query`: prev-input or prev-mid)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    source = study.inputs[layer - 1][0] if study.method.query == "prev-input" else study.mids[layer - 1]
     cos, sin = study.inputs[layer][1]
     target = study.layers[layer]
     attn = target.self_attn
-    q = attn.q_proj(target.input_layernorm(source))
-    q = q.view(*q.shape[:2], -1, attn.head_dim).transpose(1, 2)
+    if study.method.query == "prev-query":
+        before = study.queries[layer - 1].to(torch.bfloat16).float()[None]  # [1, heads, A, d]
+        before = apply_rotary_pos_emb(before, before, cos, -sin)[0]  # RoPE undone
+        if layer not in study.query_maps:
+            study.query_maps[layer] = query_map(study.layers[layer - 1], target)
+        flat = before.transpose(1, 2).flatten(2) @ study.query_maps[layer].T  # [1, A, heads * d]
+        q = flat.view(*flat.shape[:2], -1, attn.head_dim).transpose(1, 2)
+    else:
+        source = study.inputs[layer - 1][0] if study.method.query == "prev-input" else study.mids[layer - 1]
+        q = attn.q_proj(target.input_layernorm(source))
+        q = q.view(*q.shape[:2], -1, attn.head_dim).transpose(1, 2)
     return apply_rotary_pos_emb(q, q, cos, sin)[0][0]
+
+
+QUERY_PINV_RCOND = 1e-3  # `prev-query`: singular values of the layer before's map under this share of its largest
+
+
+def query_map(before, layer) -> torch.Tensor:
+    """`prev-query`'s matrix: layer `layer`'s W_q diag(g) after pinv(W_q diag(g)) of layer `before` (g: the input
+    norm's weight), which takes a query of `before` (RoPE undone) to `layer`'s query of the same normalized input."""
+    def to_query(decoder_layer):
+        return decoder_layer.self_attn.q_proj.weight * decoder_layer.input_layernorm.weight[None, :]
+    return to_query(layer) @ torch.linalg.pinv(to_query(before), rtol=QUERY_PINV_RCOND)
 
 
 def select(study: Study, layer: int, q: torch.Tensor, region_p: torch.Tensor, scale: float):
@@ -575,7 +600,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="method names to run, e.g. oracle squeeze-c16/max page16-mean/max (default: all)")
     parser.add_argument("--reuse", type=int, nargs="+", default=[1],
                         help="unit selections made at every Kth decode step, for each K listed (default 1: every)")
-    parser.add_argument("--query", nargs="+", default=["own"], choices=("own", "prev-input", "prev-mid"),
+    parser.add_argument("--query", nargs="+", default=["own"],
+                        choices=("own", "prev-input", "prev-mid", "prev-query"),
                         help="what scores the units, each listed (default own: the layer's query)")
     args = parser.parse_args(argv)
 
