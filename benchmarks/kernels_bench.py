@@ -855,41 +855,6 @@ def bench_long_decode(fa, rows, out_json):
                             part()
             return step
 
-        def lookahead_step(k=16):
-            """The squeeze as served, but each layer's lookup (page lists) made one layer ahead on a stream of its
-            own, beside the layer before (layer 0's on the main stream), the layer's row pass waiting for its lists:
-            a bound for a lookup scored with a query speculated from the layer before (timing only: the step's own
-            query stands in for it). Without the model's GEMMs, beside which the real one would run."""
-            ahead = torch.cuda.Stream(DEV)
-
-            def lists_for(R):
-                centroids, sizes, offsets, positions, scales, radii = stores[R]
-                return page_lists(centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
-                                                  centroid_scales=scales, radii=radii,
-                                                  radius_weight=SqueezeSettings().radius_weight),
-                                  offsets, positions, R, k)
-
-            def run():
-                main = torch.cuda.current_stream(DEV)
-                made, ready = {0: lists_for(counts[0])}, [torch.cuda.Event() for _ in counts]
-                ready[0].record(main)
-                for i, R in enumerate(counts):
-                    if i + 1 < len(counts):  # the next layer's lookup, from this layer's start
-                        ahead.wait_stream(main)
-                        with torch.cuda.stream(ahead):
-                            made[i + 1] = lists_for(counts[i + 1])
-                            ready[i + 1].record(ahead)
-
-                    def retrieval(attend_rows, i=i):
-                        main.wait_event(ready[i])
-                        attend_rows(*made[i], ends)
-                    d = layouts[R]
-                    gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
-                                                    outs[i], 1, max_len, quant=quant, retrieval_table=window_tables[R],
-                                                    retrieval_seq_lens=window_lens, squeezed=retrieval)
-                main.wait_stream(ahead)
-            return run
-
         timed = functools.partial(timed_graph, res, rows, case)
 
         # dense, as vLLM 0.26's FLASH_ATTN runs it in a full CUDA graph: cache write, q quantized (fp8), FA3 with
@@ -1137,6 +1102,47 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                         gpu_attention.beside(streaming, retrieval, DEV)
                     else:
                         retrieval()
+            return run
+
+        def lookahead_step(k=16):
+            """The squeeze as served, but each layer's lookup (page lists) made one layer ahead on a stream of its
+            own, beside the layer before (layer 0's on the main stream), the layer's row pass waiting for its lists:
+            a bound for a lookup scored with a query speculated from the layer before: each lookup first multiplies
+            the step's queries by a matrix of the layer's own (its retrieval query rows by the model's width, as
+            the speculation would; squeeze_study.py's prev-query), then scores with the step's query (timing only).
+            Without the model's GEMMs, beside which the real one would run."""
+            ahead = torch.cuda.Stream(DEV)
+            maps = [torch.randn(R * (NUM_HEADS // NUM_KV_HEADS) * HEAD_DIM, NUM_HEADS * HEAD_DIM, dtype=DTYPE,
+                                device=DEV) * 0.01 for R in counts]
+
+            def lists_for(layer):
+                R = counts[layer]
+                query.flatten(1) @ maps[layer].T  # the speculated queries, unused: the step's stand in
+                centroids, sizes, offsets, positions, scales, radii = stores[R]
+                return page_lists(centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
+                                                  centroid_scales=scales, radii=radii,
+                                                  radius_weight=SqueezeSettings().radius_weight),
+                                  offsets, positions, R, k)
+
+            def run():
+                main = torch.cuda.current_stream(DEV)
+                made, ready = {0: lists_for(0)}, [torch.cuda.Event() for _ in counts]
+                ready[0].record(main)
+                for i, R in enumerate(counts):
+                    if i + 1 < len(counts):  # the next layer's lookup, from this layer's start
+                        ahead.wait_stream(main)
+                        with torch.cuda.stream(ahead):
+                            made[i + 1] = lists_for(i + 1)
+                            ready[i + 1].record(ahead)
+
+                    def retrieval(attend_rows, i=i):
+                        main.wait_event(ready[i])
+                        attend_rows(*made[i], ends)
+                    d = layouts[R]
+                    gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
+                                                    outs[i], 1, max_len, quant=quant, retrieval_table=window_tables[R],
+                                                    retrieval_seq_lens=window_lens, squeezed=retrieval)
+                main.wait_stream(ahead)
             return run
 
         timed = functools.partial(timed_graph, res, rows, case)
