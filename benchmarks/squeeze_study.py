@@ -39,7 +39,8 @@ own input norm, q projection and RoPE applied to the input of layer L - 1 (`prev
 attention (`prev-mid`), instead of layer L's own query; or (`prev-query`) `prev-input` recovered from layer L - 1's
 own query alone, as an attention backend sees it (rounded to bf16, RoPE undone): n = pinv(W_q diag(g)) q of layer
 L - 1 (singular values under QUERY_PINV_RCOND of the largest dropped), then layer L's W_q diag(g) n and RoPE, one
-matrix per layer (`prev-query-fp8`: that matrix stored in fp8 e4m3, a scale per row, as a GPU would keep it).
+matrix per layer (`prev-query-bf16`, `prev-query-fp8`: that matrix stored in bf16, or in fp8 e4m3 with a scale per
+row, as a GPU would keep it).
 Layer 0 keeps its own. Attention still uses the true query.
 
 Reported per method and budget: hits per family, recall of the exact attention mass over the selectable region
@@ -277,7 +278,7 @@ def speculated_query(study: Study, layer: int) -> torch.Tensor:
         before = apply_rotary_pos_emb(before, before, cos, -sin)[0]  # RoPE undone
         key = (layer, study.method.query)
         if key not in study.query_maps:
-            study.query_maps[key] = query_map(study.layers[layer - 1], target, study.method.query.endswith("fp8"))
+            study.query_maps[key] = query_map(study.layers[layer - 1], target, study.method.query[len("prev-query-"):])
         flat = before.transpose(1, 2).flatten(2) @ study.query_maps[key].T  # [1, A, heads * d]
         q = flat.view(*flat.shape[:2], -1, attn.head_dim).transpose(1, 2)
     else:
@@ -290,14 +291,16 @@ def speculated_query(study: Study, layer: int) -> torch.Tensor:
 QUERY_PINV_RCOND = 1e-3  # `prev-query`: singular values of the layer before's map under this share of its largest
 
 
-def query_map(before, layer, fp8: bool = False) -> torch.Tensor:
+def query_map(before, layer, stored: str = "") -> torch.Tensor:
     """`prev-query`'s matrix: layer `layer`'s W_q diag(g) after pinv(W_q diag(g)) of layer `before` (g: the input
     norm's weight), which takes a query of `before` (RoPE undone) to `layer`'s query of the same normalized input;
-    `fp8`: as stored in e4m3 with a scale per row."""
+    `stored` bf16 or fp8: as stored in bf16, or in e4m3 with a scale per row."""
     def to_query(decoder_layer):
         return decoder_layer.self_attn.q_proj.weight * decoder_layer.input_layernorm.weight[None, :]
     matrix = to_query(layer) @ torch.linalg.pinv(to_query(before), rtol=QUERY_PINV_RCOND)
-    if not fp8:
+    if stored == "bf16":
+        return matrix.to(torch.bfloat16).float()
+    if stored != "fp8":
         return matrix
     scale = matrix.abs().amax(1, keepdim=True).clamp_min(1e-30) / torch.finfo(torch.float8_e4m3fn).max
     return (matrix / scale).to(torch.float8_e4m3fn).float() * scale
@@ -608,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reuse", type=int, nargs="+", default=[1],
                         help="unit selections made at every Kth decode step, for each K listed (default 1: every)")
     parser.add_argument("--query", nargs="+", default=["own"],
-                        choices=("own", "prev-input", "prev-mid", "prev-query", "prev-query-fp8"),
+                        choices=("own", "prev-input", "prev-mid", "prev-query", "prev-query-bf16", "prev-query-fp8"),
                         help="what scores the units, each listed (default own: the layer's query)")
     args = parser.parse_args(argv)
 
