@@ -1040,6 +1040,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
             runs = band_runs(scored, offsets, budgets[k][:, :R], max_selected)
             d = layouts[R]
             return run_pages(runs, positions, None, ends, d.table, d.heads, d.cache, max_selected)
+        def scores_of(R, store=stores):
+            """`centroid_scores` of the step's query over `store`'s clusters of layer width R, as served."""
+            centroids, sizes, _offsets, _positions, scales, radii = store[R]
+            return centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE, centroid_scales=scales,
+                                   radii=radii, radius_weight=SqueezeSettings().radius_weight)
+
         window_tables = {R: torch.empty_like(table) for R, table in retrieval_tables.items()}
         window_lens = sl - ends
         for R, table in retrieval_tables.items():
@@ -1064,21 +1070,17 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                         continue
                     if write and not served:
                         cache_write.write_kv(key, value, d.cache, d.heads, qsl, sl, d.table, quant=quant)
-                    centroids, sizes, offsets, positions, scales, radii = store[R]
+                    _centroids, _sizes, offsets, positions, _scales, _radii = store[R]
 
                     def retrieval(attend_rows=None):
                         if attend_rows is not None:  # served: FlashAttention over the page lists
                             lists = selections[R] if not lookup else page_lists(
-                                centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE, centroid_scales=scales,
-                                                radii=radii, radius_weight=SqueezeSettings().radius_weight),
-                                offsets, positions, R, budget, keys_per_cluster)
+                                scores_of(R, store), offsets, positions, R, budget, keys_per_cluster)
                             if attend:
                                 attend_rows(*lists, ends)
                             return
                         if lookup:
-                            scores = centroid_scores(query, centroids, sizes, d.heads, qsl, SCALE,
-                                                     centroid_scales=scales, radii=radii,
-                                                     radius_weight=SqueezeSettings().radius_weight)
+                            scores = scores_of(R, store)
                             if not select:
                                 return
                             selected = choose(scores, offsets, positions, budget, banded, keys_per_cluster)
@@ -1118,11 +1120,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
             def lists_for(layer):
                 R = counts[layer]
                 query.flatten(1) @ maps[layer].T  # the speculated queries, unused: the step's stand in
-                centroids, sizes, offsets, positions, scales, radii = stores[R]
-                return page_lists(centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
-                                                  centroid_scales=scales, radii=radii,
-                                                  radius_weight=SqueezeSettings().radius_weight),
-                                  offsets, positions, R, k)
+                _centroids, _sizes, offsets, positions, _scales, _radii = stores[R]
+                return page_lists(scores_of(R), offsets, positions, R, k)
 
             def run():
                 main = torch.cuda.current_stream(DEV)
@@ -1151,10 +1150,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
             """Each layer width's selection at 1/k, made beforehand (for the sparse decode alone), or `served` its
             page lists."""
             chosen = {}
-            for R, (centroids, sizes, offsets, positions, scales, radii) in stores.items():
-                scores = centroid_scores(query, centroids, sizes, layouts[R].heads, qsl, SCALE,
-                                         centroid_scales=scales, radii=radii,
-                                         radius_weight=SqueezeSettings().radius_weight)
+            for R, (_centroids, _sizes, offsets, positions, _scales, _radii) in stores.items():
+                scores = scores_of(R)
                 chosen[R] = (page_lists(scores, offsets, positions, R, k) if served
                              else choose(scores, offsets, positions, k))
             return chosen

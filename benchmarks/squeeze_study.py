@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 from vllm_duo.kernels.clustering import cluster_keys, cluster_radii
 from vllm_duo.pattern import resolve_pattern
+from vllm_duo.squeeze import to_fp8_centroids
 from vllm_duo.tools import smollm2
 from vllm_duo.tools.accuracy.needles import DEFAULT_NEEDLES, HAYSTACKS, NEEDLES, needle_prompt
 from vllm_duo.tools.accuracy.passkey import classic_passkey_text
@@ -266,13 +267,13 @@ def keep_mid(study: Study, layer: int, _module, args) -> None:
 
 
 def speculated_query(study: Study, layer: int) -> torch.Tensor:
-    """Layer `layer`'s query `[heads, A, d]` computed as that layer computes it (input norm, q projection, RoPE) from
-    the residual stream one layer earlier (`study.method.query`: prev-input or prev-mid)."""
+    """Layer `layer`'s query `[heads, A, d]` speculated one layer earlier (`study.method.query`): that layer's input
+    norm, q projection and RoPE on layer - 1's input (prev-input) or residual after attention (prev-mid), or
+    `query_map` on layer - 1's query with its RoPE undone (prev-query[-bf16|-fp8]), then RoPE."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     cos, sin = study.inputs[layer][1]
     target = study.layers[layer]
-    attn = target.self_attn
     if study.method.query.startswith("prev-query"):
         before = study.queries[layer - 1].to(torch.bfloat16).float()[None]  # [1, heads, A, d]
         before = apply_rotary_pos_emb(before, before, cos, -sin)[0]  # RoPE undone
@@ -280,11 +281,10 @@ def speculated_query(study: Study, layer: int) -> torch.Tensor:
         if key not in study.query_maps:
             study.query_maps[key] = query_map(study.layers[layer - 1], target, study.method.query[len("prev-query-"):])
         flat = before.transpose(1, 2).flatten(2) @ study.query_maps[key].T  # [1, A, heads * d]
-        q = flat.view(*flat.shape[:2], -1, attn.head_dim).transpose(1, 2)
     else:
         source = study.inputs[layer - 1][0] if study.method.query == "prev-input" else study.mids[layer - 1]
-        q = attn.q_proj(target.input_layernorm(source))
-        q = q.view(*q.shape[:2], -1, attn.head_dim).transpose(1, 2)
+        flat = target.self_attn.q_proj(target.input_layernorm(source))
+    q = flat.view(*flat.shape[:2], -1, target.self_attn.head_dim).transpose(1, 2)
     return apply_rotary_pos_emb(q, q, cos, sin)[0][0]
 
 
@@ -302,8 +302,8 @@ def query_map(before, layer, stored: str = "") -> torch.Tensor:
         return matrix.to(torch.bfloat16).float()
     if stored != "fp8":
         return matrix
-    scale = matrix.abs().amax(1, keepdim=True).clamp_min(1e-30) / torch.finfo(torch.float8_e4m3fn).max
-    return (matrix / scale).to(torch.float8_e4m3fn).float() * scale
+    rows, scales = to_fp8_centroids(matrix[:, None, :])  # each row as one fp8 centroid group, its own scale
+    return rows[:, 0].float() * scales[:, None]
 
 
 def select(study: Study, layer: int, q: torch.Tensor, region_p: torch.Tensor, scale: float):
