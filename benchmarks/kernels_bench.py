@@ -960,7 +960,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
-    from vllm_duo.kernels.row_pages import run_pages
+    from vllm_duo.kernels.row_pages import WINDOW_KEYS, run_pages, window_pass_lens
     from vllm_duo.kernels.selection import band_runs, centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
@@ -1034,12 +1034,13 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
         # FlashAttention's window pass reads the tokens from the context's end (its page table shifted)
         ends = torch.full((batch,), context_end, dtype=torch.int32, device=DEV)
 
-        def page_lists(scored, offsets, positions, R, k, keys_per_cluster=KEYS_PER_CLUSTER):
-            """FlashAttention's lists of the sinks and the keys `choose` would take, as served (run_pages)."""
+        def page_lists(scored, offsets, positions, R, k, keys_per_cluster=KEYS_PER_CLUSTER, window=WINDOW_KEYS):
+            """FlashAttention's lists of the sinks, the keys `choose` would take and the window's newest `window`
+            keys, as served (run_pages)."""
             max_selected = max_selected_at(k, keys_per_cluster)
             runs = band_runs(scored, offsets, budgets[k][:, :R], max_selected)
             d = layouts[R]
-            return run_pages(runs, positions, None, ends, d.table, d.heads, d.cache, max_selected)
+            return run_pages(runs, positions, None, ends, sl, d.table, d.heads, d.cache, max_selected, window)
         def scores_of(R, store=stores):
             """`centroid_scores` of the step's query over `store`'s clusters of layer width R, as served."""
             centroids, sizes, _offsets, _positions, scales, radii = store[R]
@@ -1047,19 +1048,21 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                                    radii=radii, radius_weight=SqueezeSettings().radius_weight)
 
         window_tables = {R: torch.empty_like(table) for R, table in retrieval_tables.items()}
-        window_lens = sl - ends
+        # the window pass's keys: as served none (the row pass reads the window), with window 0 all of the window
+        window_lens = {w: window_pass_lens(sl, ends, torch.empty_like(sl), w) for w in (WINDOW_KEYS, 0)}
         for R, table in retrieval_tables.items():
             window_pages(table, ends, BLOCK, window_tables[R])
 
         def step(budget=None, write=True, lookup=True, attend=True, selections=None, select=True, banded=True,
-                 store=stores, served=False, keys_per_cluster=KEYS_PER_CLUSTER):
+                 store=stores, served=False, keys_per_cluster=KEYS_PER_CLUSTER, window=WINDOW_KEYS):
             """One decode step; `budget` 1/k squeezes the retrieval heads (None: duo as served); `lookup` and
             `attend` keep the lookup or the sparse decode alone (the latter reads `selections` made beforehand);
             `select` False stops the lookup at the centroid scores; `banded` False selects by sorting; `store` the
             clusters (of `keys_per_cluster` keys on average); `served`: the squeeze's layer as the backend runs it
             (duo_attention_gpu: the lookup, then FlashAttention over the selected rows and the merge,
             FlashAttention's window pass and the streaming heads beside them; with `attend` False its lookup alone:
-            the scores, the runs and the page lists)."""
+            the scores, the runs and the page lists; the row pass reading the window's newest `window` keys, the
+            window pass the rest)."""
             def run():
                 for i, R in enumerate(counts):
                     d, out = layouts[R], outs[i]
@@ -1075,9 +1078,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                     def retrieval(attend_rows=None):
                         if attend_rows is not None:  # served: FlashAttention over the page lists
                             lists = selections[R] if not lookup else page_lists(
-                                scores_of(R, store), offsets, positions, R, budget, keys_per_cluster)
+                                scores_of(R, store), offsets, positions, R, budget, keys_per_cluster, window)
                             if attend:
-                                attend_rows(*lists, ends)
+                                attend_rows(*lists, ends, window_lens[window])
                             return
                         if lookup:
                             scores = scores_of(R, store)
@@ -1096,7 +1099,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                         gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                         out, 1, max_len, quant=quant,
                                                         retrieval_table=window_tables[R],
-                                                        retrieval_seq_lens=window_lens, squeezed=retrieval)
+                                                        retrieval_seq_lens=window_lens[window], squeezed=retrieval)
                         continue
                     streaming = functools.partial(triton_attention, query, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                   out, 1, splits[R], d.cache, quant, streaming_only=True)
@@ -1136,11 +1139,12 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
 
                     def retrieval(attend_rows, i=i):
                         main.wait_event(ready[i])
-                        attend_rows(*made[i], ends)
+                        attend_rows(*made[i], ends, window_lens[WINDOW_KEYS])
                     d = layouts[R]
                     gpu_attention.duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE,
                                                     outs[i], 1, max_len, quant=quant, retrieval_table=window_tables[R],
-                                                    retrieval_seq_lens=window_lens, squeezed=retrieval)
+                                                    retrieval_seq_lens=window_lens[WINDOW_KEYS],
+                                                    squeezed=retrieval)
                 main.wait_stream(ahead)
             return run
 
@@ -1167,7 +1171,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                            ("squeeze 1/16 as served", step(16, served=True)),
                            ("squeeze 1/16: lookup as served only", step(16, served=True, attend=False)),
                            ("squeeze 1/16 as served without the lookup",
-                            step(16, served=True, lookup=False, selections=selections_at(16, served=True))))
+                            step(16, served=True, lookup=False, selections=selections_at(16, served=True))),
+                           ("squeeze 1/16 as served, the window by the window pass (before the fold)",
+                            step(16, served=True, window=0)))
             for label, fn in served_rows:
                 timed(label, fn)
             res["timeline"] = timeline = layer_timeline(capture(served_rows[1][1]))
@@ -1190,8 +1196,8 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                     *((f"row pass in {n} splits", ((gpu_attention, "row_splits", lambda *_, n=n: n),))
                       for n in (8, 16, 24, 48, 64))):
                 with contextlib.ExitStack() as stack:
-                    for module, name, value in patches:
-                        stack.enter_context(patch.object(module, name, value))
+                    for module, name, replacement in patches:
+                        stack.enter_context(patch.object(module, name, replacement))
                     timed(f"squeeze 1/16 as served, {label}", served_rows[1][1])
             results.append(res)
             continue

@@ -15,7 +15,7 @@ from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
 from vllm_duo.kernels.reference import LayerHeads, attend, read_retrieval
-from vllm_duo.kernels.row_pages import row_views, run_pages
+from vllm_duo.kernels.row_pages import WINDOW_KEYS, row_views, run_pages, window_pass_lens
 from vllm_duo.kernels.selection import (BAND_OCTAVE, BandRuns, band_runs, centroid_scores, gather_positions,
                                          page_scores, select_banded, select_pages, select_positions)
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
@@ -390,12 +390,15 @@ def test_select_banded(budget, max_selected, shared, C, spread, chunks, monkeypa
     table = torch.randint(0, 40, (num_reqs, 16), dtype=torch.int32)
     layer = LayerHeads.build(list(range(R)), R, R, 1, sink, 4)
     # request 1 decodes without a context: no list; shared, at a context end but with context id -1 (a plan serving
-    # never makes) its sinks alone, none of another context's positions
-    for ends in ([48, 0, 32, 64], [48, 16, 32, 64]):
-        pages = run_pages(runs, positions, contexts, torch.tensor(ends, dtype=torch.int32), table, layer, cache,
-                          max_selected)
-        assert_lists_read(pages, cache, table, [[list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
-                                                 if ends[req] else [] for head in range(R)] for req in range(num_reqs)])
+    # never makes) its sinks and window alone, none of another context's positions; then each window's newest 5
+    seq_lens = [100, 30, 33, 200]
+    for ends, window in (([48, 0, 32, 64], WINDOW_KEYS), ([48, 16, 32, 64], WINDOW_KEYS), ([48, 16, 32, 64], 5)):
+        pages = run_pages(runs, positions, contexts, torch.tensor(ends, dtype=torch.int32),
+                          torch.tensor(seq_lens, dtype=torch.int32), table, layer, cache, max_selected, window)
+        assert_lists_read(pages, cache, table, [[
+            list(range(sink)) + got[0][req, head, :got[1][req, head]].tolist()
+            + list(range(max(ends[req], seq_lens[req] - window), seq_lens[req])) if ends[req] else []
+            for head in range(R)] for req in range(num_reqs)])
 
 
 def summarized(case: Case) -> torch.Tensor:
@@ -536,12 +539,12 @@ def one_cluster_runs(selected: torch.Tensor, counts: torch.Tensor) -> BandRuns:
                     torch.stack([zeros, counts], -1).contiguous())
 
 
-def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPasses:
+def flash_passes(case: Case, flash, quant=None, served: bool = False, window: int = WINDOW_KEYS) -> FlashPasses:
     """The squeezed decode as gpu_attention.py serves it with FlashAttention (`flash`): the window pass over each
-    squeezed row's pages from its block-aligned context end on (the first decoding row reads no context), then the
-    pass over pages of one cache row listing its sinks and half its clustered positions, merged. `served` (CUDA):
-    the whole step by `duo_attention_gpu` (the cache write, the streaming heads, a decode batch's passes on two
-    streams, replayed from a CUDA graph)."""
+    squeezed row's pages from its block-aligned context end on but the newest `window` keys (the first decoding row
+    reads no context), then the row pass over pages of one cache row listing its sinks, half its clustered positions
+    and those newest keys, merged. `served` (CUDA): the whole step by `duo_attention_gpu` (the cache write, the
+    streaming heads, a decode batch's passes on two streams, replayed from a CUDA graph)."""
     from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_flash_attention, selected_rows_attention
     from vllm_duo.squeeze import window_pages
 
@@ -558,8 +561,9 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
              for _ in range(heads.num_retrieval)] for e in ends]
     selected, counts = (x.to(case.device) for x in selection(case, rows))
     context_ends = torch.tensor(ends, dtype=torch.int32, device=case.device)
-    lists = run_pages(one_cluster_runs(selected, counts), selected, None, context_ends, case.block_table, heads, cache,
-                      selected.shape[-1])
+    lists = run_pages(one_cluster_runs(selected, counts), selected, None, context_ends, case.sl, case.block_table,
+                      heads, cache, selected.shape[-1], window)
+    window_lens = window_pass_lens(case.sl, context_ends, torch.empty_like(case.sl), window)
     retrieval_table = case.block_table[:, ::heads.stride].contiguous()
     window_table = torch.zeros_like(retrieval_table)
     window_pages(retrieval_table, context_ends, p.block_size, window_table)
@@ -571,8 +575,8 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
         def step():
             duo_attention_gpu(case.query, case.key, case.value, cache, heads, qsl, sl, case.block_table, case.scale,
                               out, max_query_len, max(case.seq_lens), stream_cache=stream, quant=quant,
-                              retrieval_table=window_table, retrieval_seq_lens=sl - context_ends,
-                              squeezed=lambda attend: attend(*lists, context_ends))
+                              retrieval_table=window_table, retrieval_seq_lens=window_lens,
+                              squeezed=lambda attend: attend(*lists, context_ends, window_lens))
         step()  # compiles, and runs a batch with prefills or decodes eagerly
         if max_query_len == 1:
             eager = out.clone()
@@ -585,11 +589,11 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False) -> FlashPa
             # the decode step stores its K/V on the second stream: every byte as write_kv writes it
             assert_caches_equal((cache, stream), written_caches(case, quant))
     else:
-        queries, window_lse = retrieval_flash_attention(flash, case.query, cache, heads, case.qsl,
-                                                        case.sl - context_ends, window_table, case.scale, out,
-                                                        max_query_len, max(case.seq_lens), quant, with_lse=True)
-        selected_rows_attention(flash, queries, lambda: window_lse, *lists, context_ends, cache=cache, heads=heads,
-                                query_start_loc=case.qsl, scale=case.scale, output=out, quant=quant)
+        queries, window_lse = retrieval_flash_attention(flash, case.query, cache, heads, case.qsl, window_lens,
+                                                        window_table, case.scale, out, max_query_len,
+                                                        max(case.seq_lens), quant, with_lse=True)
+        selected_rows_attention(flash, queries, lambda: window_lse, *lists, context_ends, window_lens, cache=cache,
+                                heads=heads, query_start_loc=case.qsl, scale=case.scale, output=out, quant=quant)
     expected = sparse_reference(case, cache, selected, counts, ends)
     return FlashPasses(out, expected, [starts[i] for i, e in enumerate(ends) if e > 0],
                        [starts[i] for i in decoding if ends[i] == 0], cache, stream)
@@ -613,12 +617,14 @@ def test_select_banded_ranks_clusters_far_below_the_top():
     assert chosen == set(best[:4].tolist())
 
 
+@pytest.mark.parametrize("window", [WINDOW_KEYS, 3])
 @pytest.mark.parametrize("name", list(FLASH_PASSES))
-def test_flash_passes_equal_the_sparse_decode(name):
-    """With a torch stand-in for FlashAttention: the squeezed rows get the sparse decode's result; a decoding row
-    without a context keeps the window pass over all of its keys, duo's retrieval decode."""
+def test_flash_passes_equal_the_sparse_decode(name, window):
+    """With a torch stand-in for FlashAttention: the squeezed rows get the sparse decode's result, their window read
+    whole by the row pass or, past its newest 3 keys, partly by the window pass; a decoding row without a context
+    keeps the window pass over all of its keys, duo's retrieval decode."""
     case = make_case(FLASH_PASSES[name])
-    step = flash_passes(case, stand_in_flash)
+    step = flash_passes(case, stand_in_flash, window=window)
     q = case.heads.retrieval_q
     assert_close(step.out[step.squeezed][:, q], step.expected[step.squeezed][:, q], torch.float32)
     duo = duo_decode(case, step.cache, step.stream)
@@ -633,7 +639,8 @@ FLASH_GPU = {"llama_decode": GPU_PRESETS["llama_decode"],
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(FLASH_GPU))
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_flash_passes_on_the_gpu(name, kv_dtype):
+@pytest.mark.parametrize("window", [WINDOW_KEYS, 3])
+def test_flash_passes_on_the_gpu(name, kv_dtype, window):
     """The same with vLLM's FlashAttention-3 on an H100 (bf16 model; over fp8 K/V its queries are fp8 too, as
     FlashAttention takes them: a looser tolerance there)."""
     from vllm_duo import vllm_seam
@@ -643,7 +650,7 @@ def test_flash_passes_on_the_gpu(name, kv_dtype):
         pytest.skip("vLLM's FlashAttention-3 is not available here")
     quant = cuda_scales() if kv_dtype in FP8 else None
     case = make_case(FLASH_GPU[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
-    step = flash_passes(case, flash, quant)
+    step = flash_passes(case, flash, quant, window=window)
     rows, q = step.squeezed, case.heads.retrieval_q
     tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(step.out[rows][:, q].float().cpu(), step.expected[rows][:, q].float().cpu(), **tol)
@@ -652,7 +659,8 @@ def test_flash_passes_on_the_gpu(name, kv_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(FLASH_GPU))
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("window", [WINDOW_KEYS, 3])
+def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, window, monkeypatch):
     """The whole step by duo_attention_gpu with the squeeze (a decode batch eagerly and replayed from a CUDA graph,
     its window pass and streaming heads on a second stream beside the lookup): squeezed rows get the sparse decode's
     result, decoding rows without a context duo's retrieval decode, and every decoding row duo's streaming heads.
@@ -670,7 +678,7 @@ def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, monkeypatch):
     monkeypatch.setattr(gpu_attention, "flash_queries", late_queries)
     quant = cuda_scales() if kv_dtype in FP8 else None
     case = make_case(FLASH_GPU[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
-    step = flash_passes(case, flash, quant, served=True)
+    step = flash_passes(case, flash, quant, served=True, window=window)
     heads = case.heads
     tol = dict(rtol=0.1, atol=0.1) if kv_dtype in FP8 else dict(rtol=2e-2, atol=2e-2)
     duo = duo_decode(case, step.cache, step.stream, quant=quant)
@@ -699,16 +707,22 @@ def assert_lists_read(lists, cache: torch.Tensor, table: torch.Tensor, listed: l
 
 def test_run_pages_index_the_cache_rows_through_its_strides():
     """Row ids and views where the cache's blocks are further apart than their K/V (a layer's view into a shared
-    buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection."""
+    buffer): each listed row is the K/V of its position and retrieval head, sinks first, then the selection, then
+    the window's newest keys."""
     heads = LayerHeads.build([0, 2], 4, 8, 2, 3, 4)  # R 2, stride 2 (a streaming page group per block), sink 3
     buffer = torch.randn(7, 3, 16, 2, 32)
     cache = buffer[:, :2]  # blocks 3 x 16 x 2 rows apart, K/V 16 x 2
     table = torch.randperm(14, dtype=torch.int32)[None, :].reshape(2, 7) % 7
-    selected = torch.tensor([[[40, 17, 5], [9, 0, 0]], [[50, 3, 3], [60, 61, 20]]], dtype=torch.int32)
+    selected = torch.tensor([[[40, 17, 5], [9, 0, 0]], [[50, 3, 3], [31, 30, 20]]], dtype=torch.int32)
     counts = torch.tensor([[3, 1], [2, 3]], dtype=torch.int32)
     runs = one_cluster_runs(selected, counts)
-    listed = [[[0, 1, 2] + selected[req, head, :counts[req, head]].tolist() for head in range(2)] for req in range(2)]
-    assert_lists_read(run_pages(runs, selected, None, torch.tensor([48, 64], dtype=torch.int32), table, heads, cache,
-                                3), cache, table, listed, stride=2)
-    lists = run_pages(runs, selected, None, torch.tensor([0, 64], dtype=torch.int32), table, heads, cache, 3)
+    ends, seq_lens = torch.tensor([48, 32], dtype=torch.int32), torch.tensor([56, 63], dtype=torch.int32)
+    for window in (WINDOW_KEYS, 5):
+        listed = [[[0, 1, 2] + selected[req, head, :counts[req, head]].tolist()
+                   + list(range(max(int(ends[req]), int(seq_lens[req]) - window), int(seq_lens[req])))
+                   for head in range(2)] for req in range(2)]
+        assert_lists_read(run_pages(runs, selected, None, ends, seq_lens, table, heads, cache, 3, window), cache,
+                          table, listed, stride=2)
+    lists = run_pages(runs, selected, None, torch.tensor([0, 32], dtype=torch.int32), seq_lens, table, heads, cache, 3,
+                      5)
     assert_lists_read(lists, cache, table, [[[], []], listed[1]], stride=2)  # a row without a context lists nothing

@@ -247,8 +247,8 @@ def test_plan_gives_slots_where_prefills_end_and_frees_them():
     assert step.budget == [0, math.ceil(0.5 * (280 - 4)), 0]
     staged = contexts.stage(step, torch.tensor([200, 301, 400], dtype=torch.int32))  # the kernels' rows
     assert staged.context_ids.tolist() == [-1, 0, -1] and staged.context_ends.tolist() == [0, 280, 0]
-    # FlashAttention's window pass: b's keys from its context end on
-    assert staged.budget.tolist() == step.budget and staged.flash_seq_lens.tolist() == [200, 301 - 280, 400]
+    # FlashAttention's window pass: none of b's keys (its 21 after the context are its row pass's), a's and c's all
+    assert staged.budget.tolist() == step.budget and staged.flash_seq_lens.tolist() == [200, 0, 400]
     # a's first decode step: its slot is not built yet (no layer ran), so it reads none; then b is gone
     step = contexts.plan(["a"], [200], [200], [1], live - {"b"}, prompts.get)
     assert step.context_ids == [-1] and contexts.readers == [set(), {"a"}] and contexts.clustered(0) == 276

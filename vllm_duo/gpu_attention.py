@@ -7,8 +7,9 @@ which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8).
 streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads, then the streaming heads, measured
 35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
 FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
-Where the squeeze is on, FlashAttention also reads the keys it selects, as pages of one cache row, merged with its
-window pass (`selected_rows_attention`), which runs beside the lookup.
+Where the squeeze is on, FlashAttention also reads the keys it selects and the window's newest, as pages of one cache
+row, merged with its window pass over the rest of the window (`selected_rows_attention`), which runs beside the
+lookup.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         flash_schedules: the step's FlashAttention-3 tile schedules by retrieval-head count, shared by its layers
             (`retrieval_flash_attention`); multi-token batches only, which run outside CUDA graphs.
         retrieval_seq_lens: where the squeeze is on, the keys FlashAttention reads of each row's retrieval heads
-            from `retrieval_table`'s first page (at squeezed rows the window after the context, whose pages the
-            table lists from there on: `SqueezeRows.flash_seq_lens`, `squeeze.window_pages`); FlashAttention then takes
-            the retrieval heads of decode too.
+            from `retrieval_table`'s first page (at squeezed rows the window after the context but its newest keys,
+            whose pages the table lists from there on: `SqueezeRows.flash_seq_lens`, `squeeze.window_pages`);
+            FlashAttention then takes the retrieval heads of decode too.
         squeezed: the squeeze's lookup and attention over the selected keys (`ClusteredContexts.decode`), given
             how to attend them (`selected_rows_attention`, merging with FlashAttention's window pass, or None: the
             Triton sparse decode). At decode the window pass and then the streaming heads run beside the lookup on
@@ -98,24 +99,23 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[], None], window_part, rows_part,
                     streaming: Callable[[], None] | None, squeezed: Callable[[Callable], None],
                     device: torch.device) -> None:
-    """The squeeze's decode step on two streams. On the current one the lookup, then FlashAttention's pass over the
-    selected keys, then the merge; beside it the retrieval queries as FlashAttention takes them, the step's K/V
-    store (`write`), the window pass and the streaming heads. The window pass reads a few hundred keys per row in
-    launches that leave most SMs idle, as the lookup's do: beside each other they cost about the longer one
-    (`kernels_bench.py --squeeze-decode`). The current stream reads no key of this step: its selected keys and
-    sinks lie in the context, which ends before the window.
+    """The squeeze's decode step on two streams. On the current one the lookup, then FlashAttention's row pass over
+    the sinks, the selected keys and the window's newest (this step's among them), then the merge; beside it the
+    retrieval queries as FlashAttention takes them, the step's K/V store (`write`), the window pass over the rest of
+    the window (in most steps no key: a few launches) and the streaming heads, in launches that leave most SMs
+    idle, as the lookup's do.
 
-        current: logits, scores, bands, ends, row pages | wait queries | row pass | wait window | merge
+        current: logits, scores, bands, ends, row pages | wait queries and K/V | row pass | wait window | merge
         beside:  queries | K/V store | window pass | streaming heads
     """
     main, side = torch.cuda.current_stream(device), side_stream(device)
     made = {}
-    queries_made, window_done = torch.cuda.Event(), torch.cuda.Event()
+    stored, window_done = torch.cuda.Event(), torch.cuda.Event()
 
     def beside_lookup() -> None:
         made["queries"] = make_queries()
-        queries_made.record(side)
         write()
+        stored.record(side)
         made["window_lse"] = window_part(with_lse=True, queries=made["queries"])[1]
         window_done.record(side)
         if streaming is not None:
@@ -126,7 +126,7 @@ def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[]
         return made["window_lse"]
 
     def attend(*selection: torch.Tensor) -> None:
-        main.wait_event(queries_made)
+        main.wait_event(stored)
         rows_part(made["queries"], joined, *selection)
 
     beside(beside_lookup, lambda: squeezed(attend), device)
@@ -233,13 +233,14 @@ def flash_queries(query: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
 
 def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[], torch.Tensor],
                             pages: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor,
-                            context_ends: torch.Tensor, *, cache: torch.Tensor, heads: LayerHeads,
-                            query_start_loc: torch.Tensor, scale: float, output: torch.Tensor,
+                            context_ends: torch.Tensor, window_lens: torch.Tensor, *, cache: torch.Tensor,
+                            heads: LayerHeads, query_start_loc: torch.Tensor, scale: float, output: torch.Tensor,
                             quant: KVQuant | None) -> None:
-    """The squeeze's second pass: FlashAttention over pages of one cache row listing each squeezed row's sinks and
-    selected keys per retrieval head (`row_pages.run_pages`' lists), merged into `output` with the window pass that
-    `retrieval_flash_attention(..., with_lse=True)` wrote there (its `queries`, and `window_lse()` its log-sum-exp
-    once the merge may read it: where the window pass runs on another stream, the call joins it).
+    """The squeeze's row pass: FlashAttention over pages of one cache row listing each squeezed row's sinks,
+    selected keys and window's newest keys per retrieval head (`row_pages.run_pages`' lists), merged into `output`
+    with the window pass that `retrieval_flash_attention(..., with_lse=True)` wrote there over `window_lens` keys
+    (its `queries`, and `window_lse()` its log-sum-exp once the merge may read it: where the window pass runs on
+    another stream, the call joins it); where that pass read none, the row pass's output alone.
 
     One batch entry per (request, retrieval KV head), its G query heads at the request's last token; rows without a
     context have empty lists and are not merged. Fixed shapes, no host syncs: CUDA-graph capturable."""
@@ -254,7 +255,7 @@ def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[
                      max_seqlen_q=1, seqused_k=lens, max_seqlen_k=pages.shape[1], softmax_scale=scale, causal=False,
                      block_table=pages, num_splits=row_splits(num_reqs * R, cache.device), return_softmax_lse=True,
                      **options)
-    merge_rows(output, window_lse(), out, lse, heads, query_start_loc, context_ends)
+    merge_rows(output, window_lse(), out, lse, heads, query_start_loc, context_ends, window_lens)
 
 
 def row_splits(entries: int, device: torch.device) -> int:

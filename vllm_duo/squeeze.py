@@ -10,8 +10,8 @@ radii and the CSR of positions per cluster. At decode each request scores its qu
 over the GQA group), takes clusters from the best score band down
 until their keys fill `budget` of the clustered positions (`select_banded`: bands of 12.5% in score, no sort; in the
 band that meets the budget, its clusters in cluster order until it is met), and attends exactly over those keys plus
-the sinks and every position after the context (its window; FlashAttention's two passes in gpu_attention.py,
-or kernels/sparse_decode.py):
+the sinks and every position after the context (its window; FlashAttention's row pass, and a window pass for a
+window longer than `row_pages.WINDOW_KEYS`, in gpu_attention.py, or kernels/sparse_decode.py):
 
     prompt of 4,352 tokens, sink 64, tail 256, keys_per_cluster 16, budget 0.25
     context [0, 4,096), clustered positions [64, 4,096)   -> 252 clusters per retrieval KV head
@@ -19,7 +19,7 @@ or kernels/sparse_decode.py):
         sinks [0, 64)  +  best clusters' positions until >= 0.25 x 4,032 = 1,008 keys  +  window [4,096, 4,360)
 
 The prompt's tail and the tokens generated after it are not clustered: they are read whole, however many.
-A context ends on a block boundary (`block_size`), so that FlashAttention reads its window from a page's start.
+A context ends on a block boundary (`block_size`), so that FlashAttention's window pass starts at a page's start.
 
 Serving (backend.py) plans each step once (`ClusteredContexts.plan`). A context is a prompt but its last `tail`
 tokens: the slot keeps its tokens, and every later prompt that starts with them reads it, so a document asked many
@@ -60,7 +60,7 @@ from vllm_duo.config import SqueezeSettings
 from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, cluster_radii, to_csr
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, read_retrieval
-from vllm_duo.kernels.row_pages import run_pages
+from vllm_duo.kernels.row_pages import run_pages, window_pass_lens
 from vllm_duo.kernels.selection import BandRuns, band_runs, centroid_scores, gather_positions
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
@@ -113,9 +113,10 @@ class SqueezeStep:
 class SqueezeRows:
     """A step's plan as the kernels read it: `[num_reqs]` int32 tensors on the cache's device (slices of the store's
     one row buffer, which every layer and CUDA graph reads: `ClusteredContexts.stage`), and the plan itself for the
-    PyTorch path and the builds. `flash_seq_lens` is the step's seq_lens less the context end at the rows that read
-    a context: FlashAttention's window pass over their retrieval heads, from the first page of `window_pages`'
-    table (each row's retrieval pages from its context end's page on)."""
+    PyTorch path and the builds. `flash_seq_lens` is what FlashAttention's window pass reads of each row's retrieval
+    heads from the first page of `window_pages`' table (each row's retrieval pages from its context end's page on):
+    at the rows that read a context the window less its newest keys, which their row pass reads
+    (`row_pages.window_pass_lens`), elsewhere the step's seq_lens."""
 
     step: SqueezeStep
     context_ids: torch.Tensor
@@ -275,8 +276,7 @@ class ClusteredContexts:
         host = torch.tensor([step.context_ids, step.context_ends, step.budget], dtype=torch.int32)
         # from pinned memory: a copy from pageable memory would wait for the GPU to finish the step before
         buffer[:3].copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
-        buffer[3].copy_(seq_lens)
-        buffer[3].sub_(buffer[1])
+        window_pass_lens(seq_lens, buffer[1], buffer[3])
         return SqueezeRows(step, *buffer)
 
     def clustered(self, slot: int) -> int:
@@ -302,14 +302,15 @@ class ClusteredContexts:
                attend: Callable[..., None] | None = None) -> None:
         """The retrieval heads of the rows that read a context, by the Triton kernels: their lookup, then attention
         over sinks, selected keys and window, written into `output`; other rows are left as they are. `attend`
-        (pages, lens, starts, context_ends: `row_pages.run_pages`' lists of the sinks and selected keys) attends
-        them where FlashAttention has read the window (gpu_attention.selected_rows_attention); None: the Triton
-        sparse decode reads all of it. Fixed shapes and no host syncs: CUDA-graph capturable."""
+        (pages, lens, starts, context_ends, window_lens: `row_pages.run_pages`' lists of the sinks, selected keys
+        and the window's newest keys, and what FlashAttention's window pass read of the rest) attends them and
+        merges (gpu_attention.selected_rows_attention); None: the Triton sparse decode reads all of it. Fixed shapes
+        and no host syncs: CUDA-graph capturable."""
         max_selected = self.settings.max_selected()
         runs = self.runs(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale, max_selected)
         if attend is not None:
-            attend(*run_pages(runs, self.positions[layer], rows.context_ids, rows.context_ends, block_table, heads,
-                              cache, max_selected), rows.context_ends)
+            attend(*run_pages(runs, self.positions[layer], rows.context_ids, rows.context_ends, seq_lens, block_table,
+                              heads, cache, max_selected), rows.context_ends, rows.flash_seq_lens)
         if attend is None or self.settings.count_reads:
             selected, counts = gather_positions(runs, self.positions[layer], max_selected, rows.context_ids)
             if attend is None:
