@@ -539,11 +539,12 @@ def one_cluster_runs(selected: torch.Tensor, counts: torch.Tensor) -> BandRuns:
                     torch.stack([zeros, counts], -1).contiguous())
 
 
-def flash_passes(case: Case, flash, quant=None, served: bool = False, window: int = WINDOW_KEYS) -> FlashPasses:
+def flash_passes(case: Case, flash, quant=None, served: bool = False, window: int = WINDOW_KEYS,
+                 share: float = 0.5) -> FlashPasses:
     """The squeezed decode as gpu_attention.py serves it with FlashAttention (`flash`): the window pass over each
     squeezed row's pages from its block-aligned context end on but the newest `window` keys (the first decoding row
-    reads no context), then the row pass over pages of one cache row listing its sinks, half its clustered positions
-    and those newest keys, merged. `served` (CUDA): the whole step by `duo_attention_gpu` (the cache write, the
+    reads no context), then the row pass over pages of one cache row listing its sinks, a random `share` of its
+    clustered positions (1: all of them) and those newest keys, merged. `served` (CUDA): the whole step by `duo_attention_gpu` (the cache write, the
     streaming heads, a decode batch's passes on two streams, replayed from a CUDA graph)."""
     from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_flash_attention, selected_rows_attention
     from vllm_duo.squeeze import window_pages
@@ -557,7 +558,7 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False, window: in
         end = (case.seq_lens[i] - 1) // p.block_size * p.block_size
         ends[i] = end if end > p.sink else 0
     assert sum(e > 0 for e in ends) >= 2 and cache.is_contiguous()
-    rows = [[torch.arange(p.sink, max(p.sink, e))[torch.rand(max(e - p.sink, 0)) < 0.5]
+    rows = [[torch.arange(p.sink, max(p.sink, e))[torch.rand(max(e - p.sink, 0)) < share]
              for _ in range(heads.num_retrieval)] for e in ends]
     selected, counts = (x.to(case.device) for x in selection(case, rows))
     context_ends = torch.tensor(ends, dtype=torch.int32, device=case.device)
@@ -685,6 +686,45 @@ def test_squeezed_step_as_served_on_the_gpu(name, kv_dtype, window, monkeypatch)
     for rows, expected, q in ((step.squeezed, step.expected, heads.retrieval_q), (step.plain, duo, heads.retrieval_q),
                               (step.squeezed + step.plain, duo, heads.streaming_q)):
         torch.testing.assert_close(step.out[rows][:, q].float().cpu(), expected[rows][:, q].float().cpu(), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama_decode", "smollm2_decode"])
+@pytest.mark.parametrize("window", [WINDOW_KEYS, 0])
+def test_squeezed_fp8_step_of_every_key_is_as_close_as_duo(name, window):
+    """Over an fp8 cache, the squeezed step as served with every clustered key selected is as close to exact
+    attention (float32 over the dequantized cache) as duo's own step, whose retrieval heads FlashAttention-3 reads
+    in one pass: both quantize the queries and the softmax weights to fp8, so neither matches exactly, and a greedy
+    answer may part ways where the two roundings differ. With the window in the row pass (`WINDOW_KEYS`) and by
+    the window pass (0)."""
+    from vllm_duo import vllm_seam
+    from vllm_duo.gpu_attention import duo_attention_gpu
+
+    flash = vllm_seam.flash_attn_varlen()
+    if flash is None:
+        pytest.skip("vLLM's FlashAttention-3 is not available here")
+    quant = cuda_scales()
+    case = make_case(FLASH_FP8_EVERY_KEY[name], dtype=torch.bfloat16, device=CUDA, kv_dtype=torch.float8_e4m3fn,
+                     quant=quant)
+    step = flash_passes(case, flash, quant, served=True, window=window, share=1.0)
+    cache, stream = case.fresh_caches()
+    duo = case.poisoned_output()
+    duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                      case.scale, duo, 1, max(case.seq_lens), stream_cache=stream, quant=quant)
+    rows, q = step.squeezed, case.heads.retrieval_q
+    exact = step.expected[rows][:, q].float().cpu()
+    squeezed_error = (step.out[rows][:, q].float().cpu() - exact).abs()
+    duo_error = (duo[rows][:, q].float().cpu() - exact).abs()
+    errors = dict(squeezed_max=squeezed_error.max().item(), duo_max=duo_error.max().item(),
+                  squeezed_mean=squeezed_error.mean().item(), duo_mean=duo_error.mean().item())
+    print(name, "window", window, errors)
+    assert errors["squeezed_mean"] <= 1.5 * errors["duo_mean"] and errors["squeezed_max"] <= 2 * errors["duo_max"], \
+        errors
+
+
+FLASH_FP8_EVERY_KEY = {"llama_decode": GPU_PRESETS["llama_decode"],  # and SmolLM2's shape, as the end-to-end tests
+                       "smollm2_decode": Preset(9, 3, (0, 2), ((2000, 1), (300, 1), (900, 1), (1700, 1), (2400, 1)),
+                                                sink=16, recent=64)}
 
 
 def assert_lists_read(lists, cache: torch.Tensor, table: torch.Tensor, listed: list[list[list[int]]],
