@@ -21,9 +21,9 @@ paged caches (pages of one row, one KV head), the V view starting V rows later, 
     with seq_len 5,200 the list ends with rows 4,176 ... 5,199 (WINDOW_KEYS 1,024), and the window pass reads
     [4,096, 4,176) (`window_pass_lens`)
 
-Folding the window into the row pass leaves the window pass no keys at a squeezed row in most steps: its launches
-beside the lookup cost about nothing (the layer without them: 69 -> 62 us at 4 x 128k fp8, kernels_bench.py
---squeeze-sweep). FlashAttention reads each list's keys at about 1.2 TB/s where the Triton sparse decode
+With the window in the row pass, the window pass reads no key of a squeezed row in most steps, and its launches
+beside the lookup take less of the SMs the lookup needs: 32 layers at 4 x 128k fp8 in 2.12 ms against 2.21 with the
+window read by the window pass (kernels_bench.py --squeeze-sweep). FlashAttention reads each list's keys at about 1.2 TB/s where the Triton sparse decode
 (sparse_decode.py) reads them at 0.8 (kernels_bench.py --squeeze-decode).
 """
 
