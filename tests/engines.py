@@ -165,7 +165,9 @@ def assert_same_greedy(got: dict, expected: dict) -> None:
     for seq, (a, b) in enumerate(zip(got["TOKENS"], expected["TOKENS"])):
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is not None:
-            assert expected["GAPS"][seq][first] < NEAR_TIE, f"prompt {seq} differs at token {first}, not a near-tie"
+            gap = expected["GAPS"][seq][first]
+            assert gap < NEAR_TIE, (f"prompt {seq} differs at token {first}, not a near-tie (the top two {gap:.3f} "
+                                    f"apart in the expected run, {got['GAPS'][seq][first]:.3f} in this one)")
 
 
 def prompt_logprob_gap(got: dict, expected: dict) -> float:

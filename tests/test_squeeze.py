@@ -8,14 +8,16 @@ import math
 
 import pytest
 import torch
-from test_kernels import PRESETS, Preset, make_case, written_caches
-from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse
+from test_kernels import PRESETS, Preset, assert_caches_equal, make_case, written_caches
+from test_sparse_kernels import assert_retrieval_rows, duo_decode, run_sparse, sparse_reference
 
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.reference import read_retrieval
 from vllm_duo.kernels.selection import gather_positions
-from vllm_duo.squeeze import FP8_CENTROIDS, ClusteredContexts, SqueezeRows, SqueezeSettings, centroid_dtype
+from vllm_duo.kernels.row_pages import WINDOW_KEYS
+from vllm_duo.squeeze import (FP8_CENTROIDS, ClusteredContexts, SqueezeRows, SqueezeSettings, SqueezeStep,
+                              centroid_dtype, window_pages)
 
 CASE = PRESETS["decode_gqa3"]  # 5 decoding requests over 5-100 cached tokens, sink 4, recent 16, 2 retrieval heads
 TWO_LAYERS = [2, 1]
@@ -156,6 +158,61 @@ def test_the_served_layer_runs_the_squeeze_after_its_attention():
     torch.testing.assert_close(out[:, retrieval], sparse[:, retrieval])
     torch.testing.assert_close(out[:, streaming], full[:, streaming])
     assert not torch.allclose(out[:, retrieval], full[:, retrieval])
+
+
+@pytest.mark.parametrize("window", [WINDOW_KEYS, 2])
+def test_the_served_layer_with_flash_attention_reads_the_squeeze_in_its_row_pass(window, monkeypatch):
+    """The same layer where FlashAttention takes the retrieval heads (a torch stand-in on the CPU, the passes one after
+    another), the step's plan staged as serving stages it (`ClusteredContexts.stage`): the squeezed rows get the
+    sparse decode's result over the same selection, their windows read by the row pass (`row_pages.WINDOW_KEYS`), or
+    past their newest 2 keys partly by the window pass; the row that reads no context gets duo's retrieval decode."""
+    from test_sparse_kernels import stand_in_flash
+
+    from vllm_duo import vllm_seam
+
+    monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
+    case = make_case(CASE, dtype=torch.bfloat16)  # a dtype FlashAttention takes
+    cache, stream = written_caches(case)
+    settings = settings_for(case, budget=0.3)
+    contexts = ClusteredContexts([case.heads.num_retrieval] * 2, case.preset.head_dim, case.preset.sink, settings,
+                                 max_rows=len(case.seq_lens), block_size=case.preset.block_size)
+    contexts.row_window = window
+    slots = [0, 1, -1, 3, 4]  # request 2 reads no context, nor request 1 (its 5 tokens fill no block past the sinks)
+    for i, seq_len in enumerate(case.seq_lens):
+        if slots[i] >= 0:
+            end = (seq_len - 3) // case.preset.block_size * case.preset.block_size  # a window of 3 or more
+            if end <= case.preset.sink:
+                slots[i] = -1
+                continue
+            contexts.build(0, i, cache, case.heads, case.block_table[i], end)
+    assert sum(slot >= 0 for slot in slots) >= 2
+    ends = [contexts.ends[slot] if slot >= 0 else 0 for slot in slots]
+    step = SqueezeStep(slots, ends, [contexts.budget_of(slot) if slot >= 0 else 0 for slot in slots], [])
+    rows = contexts.stage(step, case.sl)
+    window_table = torch.zeros_like(case.block_table[:, ::case.heads.stride])
+    window_pages(case.block_table[:, ::case.heads.stride].contiguous(), rows.context_ends, case.preset.block_size,
+                 window_table)
+    out = case.poisoned_output()
+    squeezed = functools.partial(contexts.decode, 0, case.query, cache, case.heads, case.qsl, case.sl,
+                                 case.block_table, case.scale, out, rows, case.quant)
+    fresh, fresh_stream = case.fresh_caches()  # the layer writes the step's K/V itself
+    duo_attention_gpu(case.query, case.key, case.value, fresh, case.heads, case.qsl, case.sl, case.block_table,
+                      case.scale, out, 1, max(case.seq_lens), stream_cache=fresh_stream, quant=case.quant,
+                      retrieval_table=window_table, retrieval_seq_lens=rows.flash_seq_lens, squeezed=squeezed)
+    ids = torch.tensor(slots, dtype=torch.int32)
+    selected, counts = select(contexts, case.query, case.heads, case.qsl, ids, rows.budget, case.scale,
+                              settings.max_selected())
+    sparse = sparse_reference(case, cache, selected, counts, ends)
+    full, written = case.reference()  # duo's step by the PyTorch reference
+    assert_caches_equal((fresh, fresh_stream), written)  # the layer wrote the step's K/V
+    q = case.heads.retrieval_q
+    read = [i for i, slot in enumerate(slots) if slot >= 0]
+    plain = [i for i, slot in enumerate(slots) if slot < 0]
+    assert (rows.flash_seq_lens[read] > 0).all() == (window == 2) and len(read) == 3
+    bf16 = dict(rtol=2e-2, atol=4e-3)  # where two passes merge, the window pass's output was rounded to bf16 first
+    torch.testing.assert_close(out[read][:, q], sparse[read][:, q], **bf16)
+    torch.testing.assert_close(out[plain][:, q], full[plain][:, q], **bf16)
+    assert not torch.allclose(out[read][:, q], full[read][:, q], **bf16)
 
 
 def test_tokens_generated_past_the_window_are_read():

@@ -60,10 +60,11 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                                      quant, write=False)
     write = functools.partial(write_kv, key, value, cache, heads, query_start_loc, seq_lens, block_table,
                               stream_cache, quant, checked=True)
-    flash = vllm_seam.flash_attn_varlen() if cache.is_cuda and (query.dtype, cache.dtype) in FLASH_DTYPES else None
+    flash = vllm_seam.flash_attn_varlen(cache.device) if (query.dtype, cache.dtype) in FLASH_DTYPES else None
     by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn
                                       or retrieval_seq_lens is not None)
-    squeezed_step = squeezed is not None and max_query_len == 1 and by_flash and heads.num_retrieval
+    two_streams = max_query_len == 1 and cache.is_cuda  # a decode step's passes side by side; elsewhere in turn
+    squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
     if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
         write()
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
@@ -87,7 +88,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if squeezed_step:
         squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant), write, flash_part, rows_part,
                         streaming if heads.num_streaming else None, squeezed, query.device)
-    elif max_query_len == 1 and heads.num_streaming:
+    elif two_streams and heads.num_streaming and squeezed is None:
         beside(streaming, flash_part, query.device)
     else:
         window = flash_part(with_lse=squeezed is not None)

@@ -60,7 +60,7 @@ from vllm_duo.config import SqueezeSettings
 from vllm_duo.kernels import sparse_reference
 from vllm_duo.kernels.clustering import cluster_keys, cluster_radii, to_csr
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, read_retrieval
-from vllm_duo.kernels.row_pages import run_pages, window_pass_lens
+from vllm_duo.kernels.row_pages import WINDOW_KEYS, run_pages, window_pass_lens
 from vllm_duo.kernels.selection import BandRuns, band_runs, centroid_scores, gather_positions
 from vllm_duo.kernels.sparse_decode import sparse_decode_attention
 
@@ -144,6 +144,7 @@ class ClusteredContexts:
                  block_size: int = 1):
         self.settings, self.sink, self.device = settings, sink, torch.device(device)
         self.block_size = block_size  # contexts end on a block boundary, where FlashAttention's window pass starts
+        self.row_window = WINDOW_KEYS  # a squeezed row's newest window keys that FlashAttention's row pass reads
         slots, T = settings.max_contexts, settings.max_context_len
         C = settings.num_clusters(T)
         self.centroids = [torch.zeros(slots, R, C, head_dim, dtype=centroid_dtype, device=device)
@@ -276,7 +277,7 @@ class ClusteredContexts:
         host = torch.tensor([step.context_ids, step.context_ends, step.budget], dtype=torch.int32)
         # from pinned memory: a copy from pageable memory would wait for the GPU to finish the step before
         buffer[:3].copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
-        window_pass_lens(seq_lens, buffer[1], buffer[3])
+        window_pass_lens(seq_lens, buffer[1], buffer[3], self.row_window)
         return SqueezeRows(step, *buffer)
 
     def clustered(self, slot: int) -> int:
@@ -310,7 +311,7 @@ class ClusteredContexts:
         runs = self.runs(layer, query, heads, query_start_loc, rows.context_ids, rows.budget, scale, max_selected)
         if attend is not None:
             attend(*run_pages(runs, self.positions[layer], rows.context_ids, rows.context_ends, seq_lens, block_table,
-                              heads, cache, max_selected), rows.context_ends, rows.flash_seq_lens)
+                              heads, cache, max_selected, self.row_window), rows.context_ends, rows.flash_seq_lens)
         if attend is None or self.settings.count_reads:
             selected, counts = gather_positions(runs, self.positions[layer], max_selected, rows.context_ids)
             if attend is None:

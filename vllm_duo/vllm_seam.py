@@ -394,8 +394,11 @@ def _check_flash_attention() -> str | None:
 
 
 @functools.cache
-def flash_attn_varlen():
-    """vLLM's FlashAttention-3 varlen function on Hopper, else None (CPU builds, other GPUs)."""
+def flash_attn_varlen(device: torch.device | None = None):
+    """vLLM's FlashAttention-3 varlen function on Hopper, else None (CPU builds, other GPUs, tensors on `device` if
+    it is not a GPU)."""
+    if device is not None and device.type != "cuda":
+        return None
     try:
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         from vllm.vllm_flash_attn import flash_attn_varlen_func
