@@ -960,7 +960,7 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.config import SqueezeSettings
     from vllm_duo.kernels.clustering import to_csr
-    from vllm_duo.kernels.row_pages import WINDOW_KEYS, run_pages, window_pass_lens
+    from vllm_duo.kernels.row_pages import WINDOW_KEYS, row_views, run_pages, window_pass_lens
     from vllm_duo.kernels.selection import band_runs, centroid_scores, select_banded, select_positions
     from vllm_duo.kernels.sparse_decode import sparse_decode_attention
     from vllm_duo.pattern import resolve_pattern
@@ -1160,6 +1160,16 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                              else choose(scores, offsets, positions, k))
             return chosen
 
+        def consecutive(chosen):
+            """Served page lists of the same lengths whose rows follow one another from a random start per entry:
+            what the row pass would read if each head's keys lay sorted by cluster (a bound for such a layout)."""
+            made = {}
+            for R, (pages, lens, starts) in chosen.items():
+                rows = row_views(layouts[R].cache)[0].shape[0]
+                base = torch.randint(0, rows - pages.shape[1], (pages.shape[0], 1), device=DEV)
+                made[R] = ((base + torch.arange(pages.shape[1], device=DEV)).int(), lens, starts)
+            return made
+
         if eager_steps:
             served = step(16, served=True)
             for _ in range(eager_steps):
@@ -1172,6 +1182,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
                            ("squeeze 1/16: lookup as served only", step(16, served=True, attend=False)),
                            ("squeeze 1/16 as served without the lookup",
                             step(16, served=True, lookup=False, selections=selections_at(16, served=True))),
+                           ("the same, each list's rows consecutive (a bound for keys sorted by cluster)",
+                            step(16, served=True, lookup=False,
+                                 selections=consecutive(selections_at(16, served=True)))),
                            ("squeeze 1/16 as served, the window by the window pass (before the fold)",
                             step(16, served=True, window=0)))
             for label, fn in served_rows:
@@ -1183,9 +1196,9 @@ def bench_squeeze_decode(fa, rows, out_json, sweep: bool = False, eager_steps: i
             if label not in res["errors"]:
                 res["timeline_ahead"] = timeline = layer_timeline(capture(ahead))
                 print_timeline(f"{case} squeeze 1/16, lookups a layer ahead: one layer", timeline)
-            # bounds, not served: the layer without what runs beside the lookup (what folding the window pass, or
-            # the streaming heads, into the row pass could save at most: the row pass would read the window's
-            # few hundred keys more), and the row pass's FlashAttention splits (served: 32 at 16 entries)
+            # bounds, not served: the layer without what runs beside the lookup (the window pass, over no key of
+            # these rows, and the merge; the streaming heads), and the row pass's FlashAttention splits (served: 32
+            # at 16 entries)
             def window_skipped(*_args, queries=None, **_kwargs):
                 return queries, None
             for label, patches in (
