@@ -715,8 +715,10 @@ def test_squeezed_fp8_step_of_every_key_is_as_close_as_duo(name, window):
     exact = step.expected[rows][:, q].float().cpu()
     squeezed_error = (step.out[rows][:, q].float().cpu() - exact).abs()
     duo_error = (duo[rows][:, q].float().cpu() - exact).abs()
+    apart = (step.out[rows][:, q].float() - duo[rows][:, q].float()).abs()  # what the two roundings differ by
     errors = dict(squeezed_max=squeezed_error.max().item(), duo_max=duo_error.max().item(),
-                  squeezed_mean=squeezed_error.mean().item(), duo_mean=duo_error.mean().item())
+                  squeezed_mean=squeezed_error.mean().item(), duo_mean=duo_error.mean().item(),
+                  apart_max=apart.max().item(), apart_mean=apart.mean().item())
     print(name, "window", window, errors)
     assert errors["squeezed_mean"] <= 1.5 * errors["duo_mean"] and errors["squeezed_max"] <= 2 * errors["duo_max"], \
         errors
