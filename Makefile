@@ -37,7 +37,7 @@ NO_ENGINE := $(patsubst %,tests/test_%.py,pattern zigzag scoring compatibility g
 # newest; each half under 20 minutes on 2 cores (measured alone: the oldest 18.5 at c088851, the newest 17.3 at
 # 01a345e; at a0481e7, before reorder and capacity moved to the newest, 20.6 and 16.7).
 SEAMS := $(patsubst %,tests/test_%.py,vllm_seam compatibility plugin prefix_caching)
-NEWEST := $(patsubst %,tests/test_%.py,bench server squeeze_serving reorder capacity)
+NEWEST := $(patsubst %,tests/test_%.py,bench server squeeze_serving squeeze reorder capacity)
 
 test: model
 	@$(MAKE) --no-print-directory run-tests MODULES="$(wildcard tests/test_*.py)"
