@@ -23,8 +23,8 @@ paged caches (pages of one row, one KV head), the V view starting V rows later, 
 
 With the window in the row pass, the window pass reads no key of a squeezed row in most steps, and its launches
 beside the lookup take less of the SMs the lookup needs: 32 layers at 4 x 128k fp8 in 2.12 ms against 2.21 with the
-window read by the window pass (kernels_bench.py --squeeze-sweep). FlashAttention reads each list's keys at about 1.2 TB/s where the Triton sparse decode
-(sparse_decode.py) reads them at 0.8 (kernels_bench.py --squeeze-decode).
+window read by the window pass (kernels_bench.py --squeeze-sweep). FlashAttention reads each list's keys at about
+1.2 TB/s where the Triton sparse decode (sparse_decode.py) reads them at 0.8 (kernels_bench.py --squeeze-decode).
 """
 
 from __future__ import annotations
