@@ -544,8 +544,9 @@ def flash_passes(case: Case, flash, quant=None, served: bool = False, window: in
     """The squeezed decode as gpu_attention.py serves it with FlashAttention (`flash`): the window pass over each
     squeezed row's pages from its block-aligned context end on but the newest `window` keys (the first decoding row
     reads no context), then the row pass over pages of one cache row listing its sinks, a random `share` of its
-    clustered positions (1: all of them) and those newest keys, merged. `served` (CUDA): the whole step by `duo_attention_gpu` (the cache write, the
-    streaming heads, a decode batch's passes on two streams, replayed from a CUDA graph)."""
+    clustered positions (1: all of them) and those newest keys, merged. `served` (CUDA): the whole step by
+    `duo_attention_gpu` (the cache write, the streaming heads, a decode batch's passes on two streams, replayed from a
+    CUDA graph)."""
     from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_flash_attention, selected_rows_attention
     from vllm_duo.squeeze import window_pages
 
