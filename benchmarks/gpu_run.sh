@@ -207,8 +207,8 @@ json.dump(c, open(p, 'w'), indent=1)"
     cluster_bench) timeout 400 python3 benchmarks/cluster_bench.py ${CLUSTER_ARGS:-} 2>&1 | tee "$OUT/cluster_bench.log" \
         | tail -20 ;;  # CLUSTER_ARGS e.g. "--heads 4 --iters 10 --lengths 131072 --inits random" (one layer served;
       # "--repeats 2 --tiles 128x128x8,256x64x8" times the assignment's other tiles, each iteration's parts apart)
-    sparse_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_kernels.py \
-        tests/test_clustering.py 2>&1 | tee "$OUT/gpu_sparse_tests.log" | tail -8 ;;
+    sparse_tests) timeout 300 python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_sparse_kernels.py \
+        tests/test_clustering.py 2>&1 | tee "$OUT/gpu_sparse_tests.log" | grep -E "window [0-9]+ \{|passed|failed" ;;
     # issue 33 served: the sparse kernels' GPU tests beside the squeeze end to end on SmolLM2 (CUDA graphs, bf16, fp8)
     squeeze_tests)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_kernels.py tests/test_clustering.py \
