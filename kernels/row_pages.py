@@ -119,7 +119,7 @@ def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torc
     starts = torch.empty(num_reqs * R + 1, dtype=torch.int32, device=device)
     if num_reqs * R == 0:
         return pages, lens, starts.zero_()
-    slots = PAGE_SLOTS if device.type == "cuda" else 16
+    slots = PAGE_SLOTS if device.type == "cuda" else 128  # the interpreter: few programs, several per list
     contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
     _run_pages_kernel[(num_reqs, R, triton.cdiv(list_len, slots))](
         runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, context_ends, seq_lens,
