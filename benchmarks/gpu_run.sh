@@ -222,6 +222,7 @@ json.dump(c, open(p, 'w'), indent=1)"
       timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -k "squeeze and fp8" tests/test_gpu_e2e.py \
         > "$OUT/gpu_e2e_squeeze_fp8.log" 2>&1; tail -n 4 "$OUT/gpu_e2e_squeeze_fp8.log"
       sed -i 's/self.row_window = WINDOW_KEYS/self.row_window = 0/' $site
+      grep -q "self.row_window = 0" $site || { echo "squeeze_e2e_fp8_ab: no row_window line to patch in $site"; exit 1; }
       timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -k "squeeze and fp8" tests/test_gpu_e2e.py \
         > "$OUT/gpu_e2e_squeeze_fp8_window_pass.log" 2>&1; tail -n 4 "$OUT/gpu_e2e_squeeze_fp8_window_pass.log"
       sed -i 's/self.row_window = 0/self.row_window = WINDOW_KEYS/' $site ;;
