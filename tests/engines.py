@@ -170,6 +170,19 @@ def assert_same_greedy(got: dict, expected: dict) -> None:
                                     f"apart in the expected run, {got['GAPS'][seq][first]:.3f} in this one)")
 
 
+def margin_shift(got: dict, expected: dict) -> float:
+    """How far two greedy runs of the same prompts moved the top two tokens' margin (`GAPS`, nats): the largest
+    change over each prompt's common steps and, where they part, the two margins summed (what had to move for the
+    choices to swap)."""
+    shifts = []
+    for a, b, gaps_a, gaps_b in zip(got["TOKENS"], expected["TOKENS"], got["GAPS"], expected["GAPS"]):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        shifts += [abs(x - y) for x, y in zip(gaps_a[:first], gaps_b[:first])]
+        if first < len(a):
+            shifts.append(gaps_a[first] + gaps_b[first])
+    return max(shifts, default=0.0)
+
+
 def prompt_logprob_gap(got: dict, expected: dict) -> float:
     """Mean |difference| of the prompt tokens' logprobs (nats) between two runs on the same prompts."""
     diffs = [abs(a - b) for xs, ys in zip(got["PROMPT_LOGPROBS"], expected["PROMPT_LOGPROBS"]) for a, b in zip(xs, ys)]

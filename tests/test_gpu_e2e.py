@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from engines import NEAR_TIE, assert_same_greedy, generate_in_subprocess, prompt_logprob_gap, random_pattern
+from engines import (NEAR_TIE, assert_same_greedy, generate_in_subprocess, margin_shift, prompt_logprob_gap,
+                     random_pattern)
 
 pytestmark = pytest.mark.gpu
 
@@ -142,12 +143,24 @@ SQUEEZE_ALL = {"budget": 1.0, "min_context_len": 256, "max_contexts": 4, "keys_p
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_squeeze_of_every_key_answers_as_duo(model, tmp_path, kv_cache_dtype):
-    """The squeeze served on the GPU (FlashAttention reads one key of a squeezed row, then the lookup and sparse
-    decode kernels; decode batches in full CUDA graphs): at a budget of every clustered key, duo's answers."""
+    """The squeeze served on the GPU (the lookup, then FlashAttention's row pass over the sinks, the selected keys
+    and the window's newest; decode batches in full CUDA graphs): at a budget of every clustered key, duo's answers.
+
+    Over an fp8 cache FlashAttention-3 rounds the queries and the softmax weights to e4m3, so two orders of the
+    same keys part at wider margins than at bf16 (with a random pattern the model amplifies them): there the
+    squeezed run must stay within twice what that rounding moves duo itself from exact attention over the same fp8
+    pages (duo's PyTorch path), by `margin_shift`; a lost key moves the margins as at any precision."""
     duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
     engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=False, dtype="bfloat16",
                   max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype)
     lengths = (20, 300, 900, 2000)
     expected = generate_in_subprocess(engine, "duo", duo, lengths)
     squeezed = generate_in_subprocess(engine, "duo", dict(duo, squeeze=SQUEEZE_ALL), lengths)
-    assert_same_greedy(squeezed, expected)
+    if kv_cache_dtype == "auto":
+        assert_same_greedy(squeezed, expected)
+        return
+    exact = generate_in_subprocess(dict(engine, enforce_eager=True), "duo", duo, lengths, VLLM_DUO_ATTENTION="torch")
+    rounding, apart = margin_shift(expected, exact), margin_shift(squeezed, expected)
+    print(f"fp8 margin shift: duo from exact {rounding:.3f}, squeezed from duo {apart:.3f}")
+    assert apart <= max(NEAR_TIE, 2 * rounding), (f"the squeezed run moved duo's margins by {apart:.3f} nats, "
+                                                  f"over twice fp8's rounding of duo itself ({rounding:.3f})")
