@@ -216,17 +216,20 @@ json.dump(c, open(p, 'w'), indent=1)"
       timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -k squeeze tests/test_gpu_e2e.py \
         > "$OUT/gpu_e2e_squeeze.log" 2>&1 &
       wait; tail -n 6 "$OUT/gpu_sparse_tests.log"; tail -n 12 "$OUT/gpu_e2e_squeeze.log" ;;
-    # issue 33: the fp8 end-to-end squeeze test (-rP: its margin shifts) beside the same test with one key lost (each
-    # squeezed row's newest key left out of its row pass, in a copy of the installed package), which must fail
-    squeeze_e2e_fp8) lost=/tmp/lost-key; rm -rf $lost && mkdir -p $lost && cp -r /tmp/site/vllm_duo $lost/
-      sed -i 's/tl.where(squeezed, sink + count + taken, 0)/tl.where(squeezed, sink + count + taken - 1, 0)/' \
-        $lost/vllm_duo/kernels/row_pages.py
-      grep -q "taken - 1, 0)" $lost/vllm_duo/kernels/row_pages.py || { echo "squeeze_e2e_fp8: no line to patch"; exit 1; }
-      for run in fp8 fp8_lost_key; do
-        [ $run = fp8 ] && path=$PYTHONPATH || path=$lost:$PYTHONPATH
+    # issue 33: the fp8 end-to-end squeeze test (-rP: its shifts) beside two mutants that must fail, each in a copy
+    # of the installed package: each squeezed row's row pass without its newest key, and without its whole window
+    squeeze_e2e_fp8) line="tl.where(squeezed, sink + count + taken, 0)"
+      for run in fp8 fp8_lost_key fp8_lost_window; do
+        path=$PYTHONPATH
+        if [ $run != fp8 ]; then
+          path=/tmp/$run:$PYTHONPATH; rm -rf /tmp/$run && mkdir -p /tmp/$run && cp -r /tmp/site/vllm_duo /tmp/$run/
+          [ $run = fp8_lost_key ] && lost="sink + count + taken - 1" || lost="sink + count"
+          sed -i "s/$line/tl.where(squeezed, $lost, 0)/" /tmp/$run/vllm_duo/kernels/row_pages.py
+          grep -q "squeezed, $lost, 0)" /tmp/$run/vllm_duo/kernels/row_pages.py || { echo "$run: no line to patch"; exit 1; }
+        fi
         PYTHONPATH=$path timeout 560 python3 -m pytest -q -rP -m gpu -p no:cacheprovider -k "squeeze and fp8" \
           tests/test_gpu_e2e.py > "$OUT/gpu_e2e_squeeze_$run.log" 2>&1 &
-      done; wait; grep -E "margin|passed|failed" "$OUT"/gpu_e2e_squeeze_fp8*.log | cut -c1-220 ;;
+      done; wait; grep -E "^fp8 |passed|failed" "$OUT"/gpu_e2e_squeeze_fp8*.log | cut -c1-220 ;;
     # issue 33's accuracy: full, duo50 and duo50 squeezed at two budgets on both families (SEED, default 1), two
     # evals side by side, each engine in a quarter of the GPU; KV=fp8: all of them over an fp8 KV cache (where the
     # squeeze keeps fp8 centroids); SQ_METHODS the second eval's methods instead (e.g. "duo50-sq12 duo50-sq12k32")

@@ -107,16 +107,18 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int, **params) -> list[lis
 
 
 def greedy_with_logprobs(llm, prompts: list[list[int]], max_tokens: int = 32) -> dict:
-    """Greedy outputs with what comparisons need: TOKENS, GAPS (top-1 minus top-2 logprob at each generated step)
-    and PROMPT_LOGPROBS (each prompt token's logprob given the tokens before it, from the second on)."""
+    """Greedy outputs with what comparisons need: TOKENS, LOGPROBS (each generated token's), GAPS (top-1 minus top-2
+    logprob at each generated step) and PROMPT_LOGPROBS (each prompt token's logprob given the tokens before it, from the second on)."""
     from vllm import SamplingParams, TokensPrompt
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
     gaps = [[(lambda v: v[0] - v[1])(sorted((entry.logprob for entry in step.values()), reverse=True))
              for step in o.outputs[0].logprobs] for o in outs]
+    logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
     prompt_logprobs = [[step[t].logprob for t, step in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(prompts, outs)]
-    return {"TOKENS": [list(o.outputs[0].token_ids) for o in outs], "GAPS": gaps, "PROMPT_LOGPROBS": prompt_logprobs}
+    return {"TOKENS": [list(o.outputs[0].token_ids) for o in outs], "LOGPROBS": logprobs, "GAPS": gaps,
+            "PROMPT_LOGPROBS": prompt_logprobs}
 
 
 GENERATE = r"""
@@ -136,7 +138,7 @@ for key, value in greedy_with_logprobs(LLM(**engine), prompts).items():
 def generate_in_subprocess(engine: dict, backend: str | None, duo: dict | None, lengths, **env) -> dict:
     """Greedy outputs of an `LLM(**engine)` in its own process (a clean CUDA context, env vars read at import).
 
-    Returns TOKENS (32 per prompt), GAPS and PROMPT_LOGPROBS (`greedy_with_logprobs`).
+    Returns TOKENS (32 per prompt), LOGPROBS, GAPS and PROMPT_LOGPROBS (`greedy_with_logprobs`).
     """
     import os
     import subprocess
@@ -150,7 +152,7 @@ def generate_in_subprocess(engine: dict, backend: str | None, duo: dict | None, 
     result = subprocess.run([sys.executable, "-c", GENERATE, json.dumps(engine), json.dumps(list(lengths))],
                             env=dict(os.environ, **env), capture_output=True, text=True, timeout=600)
     found = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
-             if line.startswith(("TOKENS ", "GAPS ", "PROMPT_LOGPROBS "))}
+             if line.startswith(("TOKENS ", "LOGPROBS ", "GAPS ", "PROMPT_LOGPROBS "))}
     assert "TOKENS" in found, result.stderr[-3000:]
     return found
 
@@ -170,17 +172,28 @@ def assert_same_greedy(got: dict, expected: dict) -> None:
                                     f"apart in the expected run, {got['GAPS'][seq][first]:.3f} in this one)")
 
 
+def common_steps(got: dict, expected: dict) -> list[int]:
+    """Each prompt's number of generated tokens before two greedy runs of the same prompts part."""
+    return [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+            for a, b in zip(got["TOKENS"], expected["TOKENS"])]
+
+
 def margin_shift(got: dict, expected: dict) -> float:
-    """How far two greedy runs of the same prompts moved the top two tokens' margin (`GAPS`, nats): the largest
-    change over each prompt's common steps and, where they part, the two margins summed (what had to move for the
-    choices to swap)."""
+    """How far two greedy runs moved the top two tokens' margin (`GAPS`, nats): the largest change over each
+    prompt's common steps and, where they part, the two margins summed (what had to move for the choices to swap)."""
     shifts = []
-    for a, b, gaps_a, gaps_b in zip(got["TOKENS"], expected["TOKENS"], got["GAPS"], expected["GAPS"]):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    for first, gaps_a, gaps_b in zip(common_steps(got, expected), got["GAPS"], expected["GAPS"]):
         shifts += [abs(x - y) for x, y in zip(gaps_a[:first], gaps_b[:first])]
-        if first < len(a):
+        if first < len(gaps_a):
             shifts.append(gaps_a[first] + gaps_b[first])
     return max(shifts, default=0.0)
+
+
+def logprob_shift(got: dict, expected: dict) -> float:
+    """Mean |difference| of the generated tokens' logprobs (nats) over each prompt's common steps."""
+    diffs = [abs(x - y) for first, xs, ys in zip(common_steps(got, expected), got["LOGPROBS"], expected["LOGPROBS"])
+             for x, y in zip(xs[:first], ys[:first])]
+    return sum(diffs) / max(len(diffs), 1)
 
 
 def prompt_logprob_gap(got: dict, expected: dict) -> float:
