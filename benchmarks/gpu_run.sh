@@ -213,9 +213,9 @@ json.dump(c, open(p, 'w'), indent=1)"
     squeeze_tests)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_kernels.py tests/test_clustering.py \
         > "$OUT/gpu_sparse_tests.log" 2>&1 &
-      timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -k squeeze tests/test_gpu_e2e.py \
+      timeout 560 python3 -m pytest -q -rP -m gpu -p no:cacheprovider -k squeeze tests/test_gpu_e2e.py \
         > "$OUT/gpu_e2e_squeeze.log" 2>&1 &
-      wait; tail -n 6 "$OUT/gpu_sparse_tests.log"; tail -n 12 "$OUT/gpu_e2e_squeeze.log" ;;
+      wait; tail -n 6 "$OUT/gpu_sparse_tests.log"; grep -E "^(auto|fp8)|shift:|Error|passed|failed" "$OUT/gpu_e2e_squeeze.log" ;;
     # issue 33: the fp8 end-to-end squeeze test (-rP: its shifts), then (RUNS, ~4 min each: one engine at a time, as
     # vLLM budgets memory by what the whole GPU uses) the same test on two mutants that must fail, each in a copy of
     # the installed package: each squeezed row's row pass without its newest key, and without its whole window
@@ -230,7 +230,7 @@ json.dump(c, open(p, 'w'), indent=1)"
         fi
         PYTHONPATH=$path timeout 560 python3 -m pytest -q -rP -m gpu -p no:cacheprovider -k "squeeze and fp8" \
           tests/test_gpu_e2e.py > "$OUT/gpu_e2e_squeeze_$run.log" 2>&1
-        grep -E "^fp8 |shift:|passed|failed" "$OUT/gpu_e2e_squeeze_$run.log" | sed "s/^/$run: /" | cut -c1-220
+        grep -E "^fp8|shift:|passed|failed" "$OUT/gpu_e2e_squeeze_$run.log" | sed "s/^/$run: /" | cut -c1-220
       done ;;
     # issue 33's accuracy: full, duo50 and duo50 squeezed at two budgets on both families (SEED, default 1), two
     # evals side by side, each engine in a quarter of the GPU; KV=fp8: all of them over an fp8 KV cache (where the
