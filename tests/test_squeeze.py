@@ -160,50 +160,57 @@ def test_the_served_layer_runs_the_squeeze_after_its_attention():
     assert not torch.allclose(out[:, retrieval], full[:, retrieval])
 
 
+def served_flash_layer(case, slots: list[int], window: int, squeeze: bool = True):
+    """Layer 0 served where FlashAttention takes the retrieval heads (a torch stand-in on the CPU, the passes one after
+    another): `slots[i]` (-1: none) holds request i's prompt clustered up to a window of 3 or more, the step's plan
+    staged as serving stages it (`ClusteredContexts.stage`, `window_pages`). Returns the output, the plan, the
+    contexts and the caches before the step; `squeeze` False: the same layer without the squeeze, for comparison."""
+    case_cache, _ = written_caches(case)
+    settings = settings_for(case, budget=0.3)
+    contexts = ClusteredContexts([case.heads.num_retrieval] * 2, case.preset.head_dim, case.preset.sink, settings,
+                                 max_rows=len(case.seq_lens), block_size=case.preset.block_size)
+    contexts.row_window = window
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            contexts.build(0, slot, case_cache, case.heads, case.block_table[i],
+                           (case.seq_lens[i] - 3) // case.preset.block_size * case.preset.block_size)
+    ends = [contexts.ends[slot] if slot >= 0 else 0 for slot in slots]
+    rows = contexts.stage(SqueezeStep(slots, ends, [contexts.budget_of(slot) if slot >= 0 else 0 for slot in slots],
+                                      []), case.sl)
+    retrieval_table = case.block_table[:, ::case.heads.stride].contiguous()
+    window_table = torch.zeros_like(retrieval_table)
+    window_pages(retrieval_table, rows.context_ends, case.preset.block_size, window_table)
+    out = case.poisoned_output()
+    fresh, fresh_stream = case.fresh_caches()  # the layer writes the step's K/V itself
+    squeezed = functools.partial(contexts.decode, 0, case.query, fresh, case.heads, case.qsl, case.sl,
+                                 case.block_table, case.scale, out, rows, case.quant)
+    options = dict(retrieval_table=window_table, retrieval_seq_lens=rows.flash_seq_lens, squeezed=squeezed)
+    duo_attention_gpu(case.query, case.key, case.value, fresh, case.heads, case.qsl, case.sl, case.block_table,
+                      case.scale, out, max(case.preset.requests, key=lambda r: r[1])[1], max(case.seq_lens),
+                      stream_cache=fresh_stream, quant=case.quant,
+                      **(options if squeeze else dict(retrieval_table=retrieval_table)))
+    return out, rows, contexts, (fresh, fresh_stream)
+
+
 @pytest.mark.parametrize("window", [WINDOW_KEYS, 2])
 def test_the_served_layer_with_flash_attention_reads_the_squeeze_in_its_row_pass(window, monkeypatch):
-    """The same layer where FlashAttention takes the retrieval heads (a torch stand-in on the CPU, the passes one after
-    another), the step's plan staged as serving stages it (`ClusteredContexts.stage`): the squeezed rows get the
-    sparse decode's result over the same selection, their windows read by the row pass (`row_pages.WINDOW_KEYS`), or
-    past their newest 2 keys partly by the window pass; the row that reads no context gets duo's retrieval decode."""
+    """`served_flash_layer`: the squeezed rows get the sparse decode's result over the same selection, their windows
+    read by the row pass (`row_pages.WINDOW_KEYS`), or past their newest 2 keys partly by the window pass; the row
+    that reads no context gets duo's retrieval decode."""
     from test_sparse_kernels import stand_in_flash
 
     from vllm_duo import vllm_seam
 
     monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
     case = make_case(CASE, dtype=torch.bfloat16)  # a dtype FlashAttention takes
-    cache, stream = written_caches(case)
-    settings = settings_for(case, budget=0.3)
-    contexts = ClusteredContexts([case.heads.num_retrieval] * 2, case.preset.head_dim, case.preset.sink, settings,
-                                 max_rows=len(case.seq_lens), block_size=case.preset.block_size)
-    contexts.row_window = window
-    slots = [0, 1, -1, 3, 4]  # request 2 reads no context, nor request 1 (its 5 tokens fill no block past the sinks)
-    for i, seq_len in enumerate(case.seq_lens):
-        if slots[i] >= 0:
-            end = (seq_len - 3) // case.preset.block_size * case.preset.block_size  # a window of 3 or more
-            if end <= case.preset.sink:
-                slots[i] = -1
-                continue
-            contexts.build(0, i, cache, case.heads, case.block_table[i], end)
-    ends = [contexts.ends[slot] if slot >= 0 else 0 for slot in slots]
-    step = SqueezeStep(slots, ends, [contexts.budget_of(slot) if slot >= 0 else 0 for slot in slots], [])
-    rows = contexts.stage(step, case.sl)
-    retrieval_table = case.block_table[:, ::case.heads.stride].contiguous()
-    window_table = torch.zeros_like(retrieval_table)
-    window_pages(retrieval_table, rows.context_ends, case.preset.block_size, window_table)
-    out = case.poisoned_output()
-    squeezed = functools.partial(contexts.decode, 0, case.query, cache, case.heads, case.qsl, case.sl,
-                                 case.block_table, case.scale, out, rows, case.quant)
-    fresh, fresh_stream = case.fresh_caches()  # the layer writes the step's K/V itself
-    duo_attention_gpu(case.query, case.key, case.value, fresh, case.heads, case.qsl, case.sl, case.block_table,
-                      case.scale, out, 1, max(case.seq_lens), stream_cache=fresh_stream, quant=case.quant,
-                      retrieval_table=window_table, retrieval_seq_lens=rows.flash_seq_lens, squeezed=squeezed)
+    slots = [0, -1, -1, 3, 4]  # request 2 reads no context, nor request 1 (its 5 tokens fill no block past the sinks)
+    out, rows, contexts, caches = served_flash_layer(case, slots, window)
     ids = torch.tensor(slots, dtype=torch.int32)
     selected, counts = select(contexts, case.query, case.heads, case.qsl, ids, rows.budget, case.scale,
-                              settings.max_selected())
-    sparse = sparse_reference(case, cache, selected, counts, ends)
+                              contexts.settings.max_selected())
     full, written = case.reference()  # duo's step by the PyTorch reference
-    assert_caches_equal((fresh, fresh_stream), written)  # the layer wrote the step's K/V
+    sparse = sparse_reference(case, written[0], selected, counts, rows.context_ends.tolist())
+    assert_caches_equal(caches, written)  # the layer wrote the step's K/V
     q = case.heads.retrieval_q
     read = [i for i, slot in enumerate(slots) if slot >= 0]
     plain = [i for i, slot in enumerate(slots) if slot < 0]
@@ -212,6 +219,26 @@ def test_the_served_layer_with_flash_attention_reads_the_squeeze_in_its_row_pass
     torch.testing.assert_close(out[read][:, q], sparse[read][:, q], **bf16)
     torch.testing.assert_close(out[plain][:, q], full[plain][:, q], **bf16)
     assert not torch.allclose(out[read][:, q], full[read][:, q], **bf16)
+
+
+def test_a_mixed_batch_with_the_squeeze_leaves_its_prefills_as_without(monkeypatch):
+    """A batch of prefill chunks beside squeezed decode rows (`served_flash_layer`): the chunks' outputs are the
+    layer's without the squeeze, bit for bit (the squeeze reads no prefill), and so is the decode row without one."""
+    from test_sparse_kernels import FLASH_PASSES, stand_in_flash
+
+    from vllm_duo import vllm_seam
+
+    monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
+    case = make_case(FLASH_PASSES["mixed"], dtype=torch.bfloat16)  # chunks of 30, 17 and 45 beside 3 decode rows
+    slots = [-1, 1, -1, 3, -1, -1]
+    squeezed, rows, _, _ = served_flash_layer(case, slots, WINDOW_KEYS)
+    plain, _, _, _ = served_flash_layer(case, slots, WINDOW_KEYS, squeeze=False)
+    assert rows.step.squeezed
+    starts = case.qsl.tolist()
+    unsqueezed = [t for i, slot in enumerate(slots) if slot < 0 for t in range(starts[i], starts[i + 1])]
+    assert torch.equal(squeezed[unsqueezed], plain[unsqueezed])
+    read = [starts[i] for i, slot in enumerate(slots) if slot >= 0]
+    assert not torch.allclose(squeezed[read][:, case.heads.retrieval_q], plain[read][:, case.heads.retrieval_q])
 
 
 def test_tokens_generated_past_the_window_are_read():

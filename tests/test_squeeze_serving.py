@@ -45,6 +45,7 @@ def test_budget_of_every_key_gives_duos_answers(smollm2_dir, prompts, pattern, d
     squeezed = run(smollm2_dir, prompts, dict(DUO, pattern=pattern, squeeze=dict(SQUEEZE, budget=1.0)))
     assert_same_greedy(squeezed, duo_run)
     assert_same_greedy(duo_run, squeezed)
+    assert squeezed["PROMPT_LOGPROBS"] == duo_run["PROMPT_LOGPROBS"]  # the squeeze reads no prefill
 
 
 def test_small_budget_changes_only_the_squeezed_prompt_and_frees_its_slot(smollm2_dir, prompts, pattern):
