@@ -232,6 +232,9 @@ json.dump(c, open(p, 'w'), indent=1)"
           tests/test_gpu_e2e.py > "$OUT/gpu_e2e_squeeze_$run.log" 2>&1
         grep -E "^fp8|shift:|passed|failed" "$OUT/gpu_e2e_squeeze_$run.log" | sed "s/^/$run: /" | cut -c1-220
       done ;;
+    # issue 33: whether the squeeze changes prefill on the GPU (KV: fp8 or auto; ~5 min, four engines one at a time)
+    squeeze_prefill) timeout 560 python3 benchmarks/squeeze_prefill.py --kv-cache-dtype ${KV:-fp8} \
+        --out "$OUT/squeeze_prefill_${KV:-fp8}.json" 2>&1 | grep -E "prompt logprobs|Error" ;;
     # issue 33's accuracy: full, duo50 and duo50 squeezed at two budgets on both families (SEED, default 1), two
     # evals side by side, each engine in a quarter of the GPU; KV=fp8: all of them over an fp8 KV cache (where the
     # squeeze keeps fp8 centroids); SQ_METHODS the second eval's methods instead (e.g. "duo50-sq12 duo50-sq12k32")
