@@ -18,6 +18,14 @@ bench() {  # bench NAME ARGS...: vllm-duo bench, dense vs duo, Llama-3.1-8B shap
 suite() {  # suite ARGS...: one part of a suite split over the calls of one warm machine (all parts in one folder)
   bench suite "$@"
 }
+mutant() {  # mutant lost_key|lost_window: a copy of the installed package whose row pass loses keys; prints its path
+  local dir=/tmp/mutant-$1 line="tl.where(squeezed, sink + count + taken, 0)" lost="sink + count"
+  [ $1 = lost_key ] && lost="sink + count + taken - 1"
+  rm -rf $dir && mkdir -p $dir && cp -r /tmp/site/vllm_duo $dir/
+  sed -i "s/$line/tl.where(squeezed, $lost, 0)/" $dir/vllm_duo/kernels/row_pages.py
+  grep -q "squeezed, $lost, 0)" $dir/vllm_duo/kernels/row_pages.py || { echo "mutant $1: no line to patch" >&2; return 1; }
+  echo $dir:$PYTHONPATH
+}
 # INSTALLED=1: an earlier call of this machine installed it (stages run side by side must not install at once)
 [ -n "${INSTALLED:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . \
   > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
@@ -216,22 +224,21 @@ json.dump(c, open(p, 'w'), indent=1)"
       timeout 560 python3 -m pytest -q -rP -m gpu -p no:cacheprovider -k squeeze tests/test_gpu_e2e.py \
         > "$OUT/gpu_e2e_squeeze.log" 2>&1 &
       wait; tail -n 6 "$OUT/gpu_sparse_tests.log"; grep -E "^(auto|fp8)|shift:|Error|passed|failed" "$OUT/gpu_e2e_squeeze.log" ;;
-    # issue 33: the fp8 end-to-end squeeze test (-rP: its shifts) on two mutants that must fail, each in a copy of
-    # the installed package: each squeezed row's row pass without its newest key, and without its whole window
-    # (RUNS; fp8: the test as installed; ~4 min each, one engine at a time, as vLLM budgets an engine's memory by
-    # what the whole GPU uses)
-    squeeze_e2e_fp8) line="tl.where(squeezed, sink + count + taken, 0)"
-      for run in ${RUNS:-fp8_lost_key fp8_lost_window}; do
-        path=$PYTHONPATH
-        if [ $run != fp8 ]; then
-          path=/tmp/$run:$PYTHONPATH; rm -rf /tmp/$run && mkdir -p /tmp/$run && cp -r /tmp/site/vllm_duo /tmp/$run/
-          [ $run = fp8_lost_key ] && lost="sink + count + taken - 1" || lost="sink + count"
-          sed -i "s/$line/tl.where(squeezed, $lost, 0)/" /tmp/$run/vllm_duo/kernels/row_pages.py
-          grep -q "squeezed, $lost, 0)" /tmp/$run/vllm_duo/kernels/row_pages.py || { echo "$run: no line to patch"; exit 1; }
-        fi
+    # issue 33: the fp8 end-to-end squeeze test (-rP: its shifts) on two mutants that must fail (`mutant`): each
+    # squeezed row's row pass without its newest key, and without its whole window (RUNS; fp8: the test as installed;
+    # ~4 min each, one engine at a time, as vLLM budgets an engine's memory by what the whole GPU uses)
+    squeeze_e2e_fp8) for run in ${RUNS:-fp8_lost_key fp8_lost_window}; do
+        path=$PYTHONPATH; [ $run = fp8 ] || path=$(mutant ${run#fp8_}) || exit 1
         PYTHONPATH=$path timeout 290 python3 -m pytest -q -rP -m gpu -p no:cacheprovider -k "squeeze and fp8" \
           tests/test_gpu_e2e.py > "$OUT/gpu_e2e_squeeze_$run.log" 2>&1
         grep -E "^fp8|shift:|passed|failed" "$OUT/gpu_e2e_squeeze_$run.log" | sed "s/^/$run: /" | cut -c1-220
+      done ;;
+    # issue 33: the sparse kernels' GPU tests on the same two mutants (~1 min each): which tests catch them
+    sparse_mutants) for run in lost_key lost_window; do
+        path=$(mutant $run) || exit 1
+        PYTHONPATH=$path timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sparse_kernels.py \
+          > "$OUT/gpu_sparse_$run.log" 2>&1
+        grep -E "^FAILED|passed|failed" "$OUT/gpu_sparse_$run.log" | sed "s/^/$run: /" | cut -c1-200
       done ;;
     # issue 33: whether the squeeze changes prefill on the GPU (KV: fp8 or auto; ~5 min, four engines one at a time)
     squeeze_prefill) timeout 560 python3 benchmarks/squeeze_prefill.py --kv-cache-dtype ${KV:-fp8} \
