@@ -240,7 +240,7 @@ json.dump(c, open(p, 'w'), indent=1)"
           > "$OUT/gpu_sparse_$run.log" 2>&1
         grep -E "^FAILED|passed|failed" "$OUT/gpu_sparse_$run.log" | sed "s/^/$run: /" | cut -c1-200
       done ;;
-    # issue 33: whether the squeeze changes prefill on the GPU (KV: fp8 or auto; ~5 min, four engines one at a time)
+    # issue 33: whether the squeeze changes prefill on the GPU (KV: fp8 or auto; ~6 min, five engines one at a time)
     squeeze_prefill) timeout 560 python3 benchmarks/squeeze_prefill.py --kv-cache-dtype ${KV:-fp8} \
         --out "$OUT/squeeze_prefill_${KV:-fp8}.json" 2>&1 | grep -E "prompt logprobs|Error" ;;
     # issue 33's accuracy: full, duo50 and duo50 squeezed at two budgets on both families (SEED, default 1), two

@@ -4,8 +4,9 @@ a token from duo's, on the prompts long enough to squeeze, though the squeeze re
 equal.) The fp8 end-to-end test's engine and prompts (tests/test_gpu_e2e.py), SmolLM2 with its bundled pattern at
 50%, one engine at a time:
 
-  duo, duo again (is duo's prefill the same run to run?), duo with the squeeze of every key, and the squeeze on but
-  never clustering (min_context_len past every prompt: its metadata path alone, no build and no squeezed row).
+  duo, duo again (is duo's prefill the same run to run?), duo in less memory (another number of KV blocks, as the
+  squeeze's store leaves), duo with the squeeze of every key, and the squeeze on but never clustering
+  (min_context_len past every prompt: its store and metadata path alone, no build and no squeezed row).
 
 Prints each run's mean |prompt logprob difference| from duo's, per prompt, and where it starts; writes all runs
 (`engines.greedy_with_logprobs`' fields) to `--out`. Usage: python benchmarks/squeeze_prefill.py --kv-cache-dtype fp8
@@ -33,11 +34,13 @@ def main() -> None:
     engine = dict(model=args.model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=False,
                   dtype="bfloat16", max_num_batched_tokens=256, kv_cache_dtype=args.kv_cache_dtype)
     duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
-    variants = {"duo": duo, "duo again": duo, "squeeze of every key": dict(duo, squeeze=EVERY_KEY),
-                "squeeze never clustering": dict(duo, squeeze=dict(EVERY_KEY, min_context_len=4096))}
+    variants = [("duo", engine, duo), ("duo again", engine, duo),
+                ("duo in less memory", dict(engine, gpu_memory_utilization=0.25), duo),
+                ("squeeze of every key", engine, dict(duo, squeeze=EVERY_KEY)),
+                ("squeeze never clustering", engine, dict(duo, squeeze=dict(EVERY_KEY, min_context_len=4096)))]
     runs = {}
-    for name, settings in variants.items():
-        runs[name] = generate_in_subprocess(engine, "duo", settings, LENGTHS)
+    for name, engine_args, settings in variants:
+        runs[name] = generate_in_subprocess(engine_args, "duo", settings, LENGTHS)
         json.dump(runs, open(args.out, "w"))
         if name == "duo":
             continue
