@@ -20,9 +20,9 @@ import sys
 
 sys.path.insert(0, "tests")
 from engines import generate_in_subprocess  # noqa: E402
+from test_gpu_e2e import SQUEEZE_ALL as EVERY_KEY  # noqa: E402
 
 LENGTHS = (20, 300, 900, 2000)
-EVERY_KEY = {"budget": 1.0, "min_context_len": 256, "max_contexts": 4, "keys_per_cluster": 8}
 
 
 def main() -> None:

@@ -108,7 +108,8 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int, **params) -> list[lis
 
 def greedy_with_logprobs(llm, prompts: list[list[int]], max_tokens: int = 32) -> dict:
     """Greedy outputs with what comparisons need: TOKENS, LOGPROBS (each generated token's), GAPS (top-1 minus top-2
-    logprob at each generated step) and PROMPT_LOGPROBS (each prompt token's logprob given the tokens before it, from the second on)."""
+    logprob at each generated step) and PROMPT_LOGPROBS (each prompt token's logprob given the tokens before it, from
+    the second on)."""
     from vllm import SamplingParams, TokensPrompt
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=0)
@@ -162,20 +163,19 @@ def generate_in_subprocess(engine: dict, backend: str | None, duo: dict | None, 
 NEAR_TIE = 0.5
 
 
-def assert_same_greedy(got: dict, expected: dict) -> None:
-    """Token-identical, except that a sequence may part ways at a near-tie of the expected run."""
-    for seq, (a, b) in enumerate(zip(got["TOKENS"], expected["TOKENS"])):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if first is not None:
-            gap = expected["GAPS"][seq][first]
-            assert gap < NEAR_TIE, (f"prompt {seq} differs at token {first}, not a near-tie (the top two {gap:.3f} "
-                                    f"apart in the expected run, {got['GAPS'][seq][first]:.3f} in this one)")
-
-
 def common_steps(got: dict, expected: dict) -> list[int]:
     """Each prompt's number of generated tokens before two greedy runs of the same prompts part."""
     return [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
             for a, b in zip(got["TOKENS"], expected["TOKENS"])]
+
+
+def assert_same_greedy(got: dict, expected: dict) -> None:
+    """Token-identical, except that a sequence may part ways at a near-tie of the expected run."""
+    for seq, (first, tokens) in enumerate(zip(common_steps(got, expected), got["TOKENS"])):
+        if first < len(tokens):
+            gap = expected["GAPS"][seq][first]
+            assert gap < NEAR_TIE, (f"prompt {seq} differs at token {first}, not a near-tie (the top two {gap:.3f} "
+                                    f"apart in the expected run, {got['GAPS'][seq][first]:.3f} in this one)")
 
 
 def margin_shift(got: dict, expected: dict) -> float:

@@ -186,7 +186,7 @@ def served_flash_layer(case, slots: list[int], window: int, squeeze: bool = True
                                  case.block_table, case.scale, out, rows, case.quant)
     options = dict(retrieval_table=window_table, retrieval_seq_lens=rows.flash_seq_lens, squeezed=squeezed)
     duo_attention_gpu(case.query, case.key, case.value, fresh, case.heads, case.qsl, case.sl, case.block_table,
-                      case.scale, out, max(case.preset.requests, key=lambda r: r[1])[1], max(case.seq_lens),
+                      case.scale, out, max(new for _, new in case.preset.requests), max(case.seq_lens),
                       stream_cache=fresh_stream, quant=case.quant,
                       **(options if squeeze else dict(retrieval_table=retrieval_table)))
     return out, rows, contexts, (fresh, fresh_stream)
