@@ -240,9 +240,11 @@ json.dump(c, open(p, 'w'), indent=1)"
           > "$OUT/gpu_sparse_$run.log" 2>&1
         grep -E "^FAILED|passed|failed" "$OUT/gpu_sparse_$run.log" | sed "s/^/$run: /" | cut -c1-200
       done ;;
-    # issue 33: whether the squeeze changes prefill on the GPU (KV: fp8 or auto; ~6 min, five engines one at a time)
-    squeeze_prefill) timeout 560 python3 benchmarks/squeeze_prefill.py --kv-cache-dtype ${KV:-fp8} \
-        --out "$OUT/squeeze_prefill_${KV:-fp8}.json" 2>&1 | grep -E "prompt logprobs|Error" ;;
+    # issue 33: whether the squeeze, or the KV cache's size, moves prompt logprobs on the GPU and by which attention
+    # (KV: fp8 or auto; SET: squeeze, five engines, ~6 min, or kv_size, six engines, ~7 min; one engine at a time)
+    prefill_kv_size) timeout 560 python3 benchmarks/prefill_kv_size.py --kv-cache-dtype ${KV:-fp8} \
+        --runs ${SET:-squeeze} --out "$OUT/prefill_kv_size_${SET:-squeeze}_${KV:-fp8}.json" 2>&1 \
+        | grep -E "prompt logprobs|Error" ;;
     # issue 33's accuracy: full, duo50 and duo50 squeezed at two budgets on both families (SEED, default 1), two
     # evals side by side, each engine in a quarter of the GPU; KV=fp8: all of them over an fp8 KV cache (where the
     # squeeze keeps fp8 centroids); SQ_METHODS the second eval's methods instead (e.g. "duo50-sq12 duo50-sq12k32")

@@ -147,6 +147,19 @@ def test_bad_squeeze_settings_stop_config_in_one_line(smollm2_dir):
     assert "\n" not in str(error.value)
 
 
+def test_an_unknown_attention_path_stops_config_in_one_line(smollm2_dir, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    for path in ("flash", "triton", "torch"):
+        monkeypatch.setenv("VLLM_DUO_ATTENTION", path)
+        assert refusal(build_config(smollm2_dir, duo=True)) is None
+    monkeypatch.setenv("VLLM_DUO_ATTENTION", "fa3")
+    with pytest.raises(DuoConfigError, match=r"^VLLM_DUO_ATTENTION=fa3: .*use one of flash, triton, torch") as error:
+        EngineArgs(model=smollm2_dir, max_model_len=2048, attention_backend="duo",
+                   additional_config=DUO).create_engine_config()
+    assert "\n" not in str(error.value)
+
+
 def test_fp8_needs_an_fp8_capable_gpu(fp8_config):
     assert refusal(fp8_config, fp8_capable=True) is None
     assert "compute capability 8.9" in refusal(fp8_config, fp8_capable=False)

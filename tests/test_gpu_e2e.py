@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End to end on the GPU: the Triton path equals the PyTorch path, CUDA graphs equal eager, all-retrieval duo
-equals FLASH_ATTN, with fp8 KV duo follows FLASH_ATTN fp8, and a prefix-cache hit answers as cold."""
+"""End to end on the GPU: the Triton path equals the PyTorch path, and alone is the same in any cache size, CUDA graphs
+equal eager, all-retrieval duo equals FLASH_ATTN, with fp8 KV duo follows FLASH_ATTN fp8, and a prefix-cache hit
+answers as cold."""
 
 import json
 import os
@@ -20,8 +21,8 @@ def model():
     return os.environ.get("VLLM_DUO_GPU_MODEL", "/tmp/smol")
 
 
-def generate(model, backend, duo, eager=True, **env):
-    engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=eager,
+def generate(model, backend, duo, eager=True, memory=0.3, **env):
+    engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=memory, enforce_eager=eager,
                   dtype="bfloat16", max_num_batched_tokens=256)
     return generate_in_subprocess(engine, backend, duo, (20, 300, 900, 2000), **env)
 
@@ -29,6 +30,15 @@ def generate(model, backend, duo, eager=True, **env):
 def test_triton_path_equals_torch_path(model, tmp_path):
     duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
     assert_same_greedy(generate(model, "duo", duo), generate(model, "duo", duo, VLLM_DUO_ATTENTION="torch"))
+
+
+def test_the_triton_path_is_the_same_in_any_cache_size(model):
+    """`VLLM_DUO_ATTENTION=triton` leaves FlashAttention-3 out, whose results move with the number of KV blocks
+    (duo's as dense's, benchmarks/results/2026-11-29-h200-prefill-kv-size): bit for bit in two cache sizes."""
+    duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
+    full, less = (generate(model, "duo", duo, eager=False, memory=memory, VLLM_DUO_ATTENTION="triton")
+                  for memory in (0.3, 0.25))
+    assert full["PROMPT_LOGPROBS"] == less["PROMPT_LOGPROBS"] and full["TOKENS"] == less["TOKENS"]
 
 
 def test_all_retrieval_equals_flash_attn(model, tmp_path):

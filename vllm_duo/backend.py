@@ -16,7 +16,6 @@ way the platform's dense backend writes them; the kernels dequantize in register
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_duo import DUO_BLOCK_SIZE, vllm_seam
-from vllm_duo.config import DuoSettings, LayerPlan, ServingPlan, serving_plan
+from vllm_duo.config import DuoSettings, LayerPlan, ServingPlan, attention_path, serving_plan
 from vllm_duo.gpu_attention import duo_attention_gpu
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
@@ -43,8 +42,7 @@ from vllm_duo.reorder import reorder_heads
 from vllm_duo.squeeze import ClusteredContexts, SqueezeRows, SqueezeStep, centroid_dtype, window_pages
 
 logger = init_logger(f"vllm.{__name__}")
-# VLLM_DUO_ATTENTION=torch runs the PyTorch path on the GPU too: the kernels' end-to-end reference.
-FORCE_TORCH_PATH = os.environ.get("VLLM_DUO_ATTENTION", "triton") == "torch"
+ATTENTION_PATH = attention_path()  # on a GPU; the CPU takes the PyTorch path
 
 
 class DuoAttentionBackend(AttentionBackend):
@@ -205,7 +203,7 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
 
     def _build(self, cam: CommonAttentionMetadata) -> DuoAttentionMetadata:
         num_reqs = cam.num_reqs
-        on_host = self.device.type == "cpu" or FORCE_TORCH_PATH
+        on_host = self.device.type == "cpu" or ATTENTION_PATH == "torch"
         block_table = cam.block_table_tensor[:num_reqs]
         retrieval_table = block_table if self.stride == 1 else None
         if self.retrieval_table is not None:
@@ -338,7 +336,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         squeeze = m.squeeze
-        if kv_cache.is_cuda and not FORCE_TORCH_PATH:
+        if kv_cache.is_cuda and ATTENTION_PATH != "torch":
             quant = self._quant(layer, on_host=False)
             squeezed = None
             # a CUDA graph replays what its capture ran, whichever rows then read a context
@@ -350,7 +348,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
                               out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache, quant=quant,
                               retrieval_table=m.retrieval_table, flash_schedules=m.flash_schedules,
                               retrieval_seq_lens=None if squeeze is None else squeeze.flash_seq_lens,
-                              squeezed=squeezed)
+                              squeezed=squeezed, flash_allowed=ATTENTION_PATH == "flash")
         else:
             quant = self._quant(layer, on_host=True)
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,

@@ -129,9 +129,18 @@ def _squeeze(config) -> str | None:
     return None
 
 
+def _attention_path(config) -> str | None:
+    from vllm_duo.config import ATTENTION_PATHS, attention_path
+
+    if attention_path() not in ATTENTION_PATHS:
+        return (f"VLLM_DUO_ATTENTION={attention_path()}: not a duo attention path; use one of "
+                f"{', '.join(ATTENTION_PATHS)} (default flash)")
+    return None
+
+
 CHECKS: tuple[Callable[[object], str | None], ...] = (
     _model_kind, _kv_cache_dtype, _block_size, _speculative_decoding, _lora, _kv_connectors_and_events, _parallelism,
-    _squeeze)
+    _squeeze, _attention_path)
 
 
 def refusal(vllm_config, fp8_capable: bool = True) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm_duo.pattern import HeadPattern, PatternError, ideal_kv_slots, resolve_pattern
 
 ADDITIONAL_CONFIG_KEY = "duo"
+# VLLM_DUO_ATTENTION, what attends on a GPU: "flash" FlashAttention-3 on the retrieval heads where it beats the Triton
+# kernels (gpu_attention.py), "triton" the Triton kernels alone, "torch" the PyTorch path (the kernels' reference).
+# FlashAttention-3's results move with the number of KV blocks, dense's as duo's; the other two are the same in any
+# cache size (benchmarks/results/2026-11-29-h200-prefill-kv-size).
+ATTENTION_PATHS = ("flash", "triton", "torch")
+
+
+def attention_path() -> str:
+    return os.environ.get("VLLM_DUO_ATTENTION", "flash")
 
 
 class DuoConfigError(Exception):

@@ -35,7 +35,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       quant: KVQuant | None = None, retrieval_table: torch.Tensor | None = None,
                       flash_schedules: dict[int, torch.Tensor] | None = None,
                       retrieval_seq_lens: torch.Tensor | None = None,
-                      squeezed: Callable[[Callable | None], None] | None = None) -> None:
+                      squeezed: Callable[[Callable | None], None] | None = None, flash_allowed: bool = True) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -54,13 +54,15 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             how to attend them (`selected_rows_attention`, merging with FlashAttention's window pass, or None: the
             Triton sparse decode). At decode the window pass and then the streaming heads run beside the lookup on
             a second stream (`squeezed_decode`); a batch with prefills runs the window pass first.
+        flash_allowed: False leaves FlashAttention out (`VLLM_DUO_ATTENTION=triton`).
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
                                                      quant, write=False)
     write = functools.partial(write_kv, key, value, cache, heads, query_start_loc, seq_lens, block_table,
                               stream_cache, quant, checked=True)
-    flash = vllm_seam.flash_attn_varlen(cache.device) if (query.dtype, cache.dtype) in FLASH_DTYPES else None
+    flash = (vllm_seam.flash_attn_varlen(cache.device)
+             if flash_allowed and (query.dtype, cache.dtype) in FLASH_DTYPES else None)
     by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn
                                       or retrieval_seq_lens is not None)
     two_streams = max_query_len == 1 and cache.is_cuda  # a decode step's passes side by side; elsewhere in turn
