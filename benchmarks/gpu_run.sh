@@ -39,7 +39,7 @@ for stage in "$@"; do
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py > "$OUT/gpu_kernel_tests.log" 2>&1 &
       timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_e2e.py > "$OUT/gpu_e2e_tests.log" 2>&1 &
       wait; tail -n 6 "$OUT/gpu_kernel_tests.log"; tail -n 12 "$OUT/gpu_e2e_tests.log" ;;
-    e2e_bf16) for group in "triton_path or all_retrieval_equals" "cuda_graphs or prefix_hit"; do  # two at once
+    e2e_bf16) for group in "path or all_retrieval_equals" "cuda_graphs or prefix_hit"; do  # two at once
         timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -k "$group" tests/test_gpu_e2e.py \
           > "$OUT/gpu_e2e_${group%% *}.log" 2>&1 &
       done; wait; tail -n 4 "$OUT"/gpu_e2e_*.log ;;

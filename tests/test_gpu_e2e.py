@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End to end on the GPU: the Triton path equals the PyTorch path, and alone is the same in any cache size, CUDA graphs
-equal eager, all-retrieval duo equals FLASH_ATTN, with fp8 KV duo follows FLASH_ATTN fp8, and a prefix-cache hit
+"""End to end on the GPU: the kernels (FlashAttention-3 with Triton, or Triton alone) equal the PyTorch path, Triton
+alone is the same in any cache size, CUDA graphs equal eager, all-retrieval duo equals FLASH_ATTN, with fp8 KV duo follows FLASH_ATTN fp8, and a prefix-cache hit
 answers as cold."""
 
 import json
@@ -27,9 +27,11 @@ def generate(model, backend, duo, eager=True, memory=0.3, **env):
     return generate_in_subprocess(engine, backend, duo, (20, 300, 900, 2000), **env)
 
 
-def test_triton_path_equals_torch_path(model, tmp_path):
+@pytest.mark.parametrize("path", ["flash", "triton"])
+def test_kernel_path_equals_torch_path(model, tmp_path, path):
     duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
-    assert_same_greedy(generate(model, "duo", duo), generate(model, "duo", duo, VLLM_DUO_ATTENTION="torch"))
+    assert_same_greedy(generate(model, "duo", duo, VLLM_DUO_ATTENTION=path),
+                       generate(model, "duo", duo, VLLM_DUO_ATTENTION="torch"))
 
 
 def test_the_triton_path_is_the_same_in_any_cache_size(model):
