@@ -241,7 +241,7 @@ json.dump(c, open(p, 'w'), indent=1)"
         grep -E "^FAILED|passed|failed" "$OUT/gpu_sparse_$run.log" | sed "s/^/$run: /" | cut -c1-200
       done ;;
     # issue 33: whether the squeeze, or the KV cache's size, moves prompt logprobs on the GPU and by which attention
-    # (KV: fp8 or auto; SET: squeeze, five engines, ~6 min, or kv_size, six engines, ~7 min; one engine at a time)
+    # (KV: fp8 or auto; SET: squeeze, seven engines, ~8 min, or kv_size, six engines, ~7 min; one engine at a time)
     prefill_kv_size) timeout 560 python3 benchmarks/prefill_kv_size.py --kv-cache-dtype ${KV:-fp8} \
         --runs ${SET:-squeeze} --out "$OUT/prefill_kv_size_${SET:-squeeze}_${KV:-fp8}.json" 2>&1 \
         | grep -E "prompt logprobs|Error" ;;

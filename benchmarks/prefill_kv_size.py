@@ -6,7 +6,8 @@ pattern at 50%, one engine at a time, each run set against the first run of its 
 
   squeeze: duo; duo again (is a run the same run to run?); duo in less memory (fewer KV blocks, as the squeeze's
            store leaves); duo with the squeeze of every key; the squeeze on but never clustering (min_context_len
-           past every prompt: its store and metadata path alone, no build and no squeezed row).
+           past every prompt: its store and metadata path alone, no build and no squeezed row); then duo and the
+           squeeze of every key in 2 GiB of KV each (`kv_cache_memory_bytes`: equal KV blocks).
   kv_size: dense FLASH_ATTN, duo by its Triton kernels alone (`VLLM_DUO_ATTENTION=triton`) and duo's PyTorch path
            (`torch`, eager), each in the full and in less memory.
 
@@ -28,18 +29,22 @@ from test_gpu_e2e import SQUEEZE_ALL as EVERY_KEY  # noqa: E402
 LENGTHS = (20, 300, 900, 2000)
 DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
 LESS_MEMORY = dict(gpu_memory_utilization=0.25)
+FIXED_KV = dict(kv_cache_memory_bytes=2 * 1024**3)  # the same KV blocks whatever else the engine holds
 
 
-def run_sets(engine: dict) -> dict[str, list[tuple[str, dict, str, dict | None, dict]]]:
-    """Per set, its runs as (name, engine args, backend, duo settings, env); the first run is the set's reference."""
-    less = dict(engine, **LESS_MEMORY)
+def run_sets(engine: dict) -> dict[str, list[tuple[str, str | None, dict, str, dict | None, dict]]]:
+    """Per set, its runs as (name, reference run or None, engine args, backend, duo settings, env)."""
+    less, fixed = dict(engine, **LESS_MEMORY), dict(engine, **FIXED_KV)
+    every_key, never = dict(DUO, squeeze=EVERY_KEY), dict(DUO, squeeze=dict(EVERY_KEY, min_context_len=4096))
     return {
-        "squeeze": [("duo", engine, "duo", DUO, {}), ("duo again", engine, "duo", DUO, {}),
-                    ("duo in less memory", less, "duo", DUO, {}),
-                    ("squeeze of every key", engine, "duo", dict(DUO, squeeze=EVERY_KEY), {}),
-                    ("squeeze never clustering", engine, "duo",
-                     dict(DUO, squeeze=dict(EVERY_KEY, min_context_len=4096)), {})],
-        "kv_size": [(f"{name}{where}", dict(args, enforce_eager=True) if path == "torch" else args, backend, duo, env)
+        "squeeze": [("duo", None, engine, "duo", DUO, {}), ("duo again", "duo", engine, "duo", DUO, {}),
+                    ("duo in less memory", "duo", less, "duo", DUO, {}),
+                    ("squeeze of every key", "duo", engine, "duo", every_key, {}),
+                    ("squeeze never clustering", "duo", engine, "duo", never, {}),
+                    ("duo, 2 GiB of KV", None, fixed, "duo", DUO, {}),
+                    ("squeeze of every key, 2 GiB of KV", "duo, 2 GiB of KV", fixed, "duo", every_key, {})],
+        "kv_size": [(f"{name}{where}", f"{name}" if where else None,
+                     dict(args, enforce_eager=True) if path == "torch" else args, backend, duo, env)
                     for name, backend, duo, env, path in [
                         ("dense", "FLASH_ATTN", None, {}, None),
                         ("duo by Triton", "duo", DUO, {"VLLM_DUO_ATTENTION": "triton"}, "triton"),
@@ -68,11 +73,10 @@ def main() -> None:
                   dtype="bfloat16", max_num_batched_tokens=256, kv_cache_dtype=args.kv_cache_dtype)
     sets, runs = run_sets(engine), {}
     for set_name in args.runs:
-        for index, (name, engine_args, backend, duo, env) in enumerate(sets[set_name]):
+        for name, reference, engine_args, backend, duo, env in sets[set_name]:
             runs[name] = generate_in_subprocess(engine_args, backend, duo, LENGTHS, **env)
             json.dump(runs, open(args.out, "w"))
-            reference = sets[set_name][0 if set_name == "squeeze" else index - index % 2][0]
-            if name != reference:
+            if reference is not None:
                 same = [a == b for a, b in zip(runs[name]["TOKENS"], runs[reference]["TOKENS"])]
                 print(f"{args.kv_cache_dtype} {name} from {reference}, prompt logprobs: "
                       f"{apart(runs[name]['PROMPT_LOGPROBS'], runs[reference]['PROMPT_LOGPROBS'])}; "
