@@ -24,17 +24,16 @@ import sys
 
 sys.path.insert(0, "tests")
 from engines import generate_in_subprocess  # noqa: E402
-from test_gpu_e2e import SQUEEZE_ALL as EVERY_KEY  # noqa: E402
+from test_gpu_e2e import EQUAL_KV, SQUEEZE_ALL as EVERY_KEY  # noqa: E402
 
 LENGTHS = (20, 300, 900, 2000)
 DUO = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
 LESS_MEMORY = dict(gpu_memory_utilization=0.25)
-FIXED_KV = dict(kv_cache_memory_bytes=2 * 1024**3)  # the same KV blocks whatever else the engine holds
 
 
 def run_sets(engine: dict) -> dict[str, list[tuple[str, str | None, dict, str, dict | None, dict]]]:
     """Per set, its runs as (name, reference run or None, engine args, backend, duo settings, env)."""
-    less, fixed = dict(engine, **LESS_MEMORY), dict(engine, **FIXED_KV)
+    less, fixed = dict(engine, **LESS_MEMORY), dict(engine, **EQUAL_KV)
     every_key, never = dict(DUO, squeeze=EVERY_KEY), dict(DUO, squeeze=dict(EVERY_KEY, min_context_len=4096))
     return {
         "squeeze": [("duo", None, engine, "duo", DUO, {}), ("duo again", "duo", engine, "duo", DUO, {}),
@@ -43,7 +42,7 @@ def run_sets(engine: dict) -> dict[str, list[tuple[str, str | None, dict, str, d
                     ("squeeze never clustering", "duo", engine, "duo", never, {}),
                     ("duo, 2 GiB of KV", None, fixed, "duo", DUO, {}),
                     ("squeeze of every key, 2 GiB of KV", "duo, 2 GiB of KV", fixed, "duo", every_key, {})],
-        "kv_size": [(f"{name}{where}", f"{name}" if where else None,
+        "kv_size": [(f"{name}{where}", name if where else None,
                      dict(args, enforce_eager=True) if path == "torch" else args, backend, duo, env)
                     for name, backend, duo, env, path in [
                         ("dense", "FLASH_ATTN", None, {}, None),

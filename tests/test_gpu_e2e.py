@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """End to end on the GPU: the kernels (FlashAttention-3 with Triton, or Triton alone) equal the PyTorch path, Triton
-alone is the same in any cache size, CUDA graphs equal eager, all-retrieval duo equals FLASH_ATTN, with fp8 KV duo follows FLASH_ATTN fp8, and a prefix-cache hit
-answers as cold."""
+alone is the same in any cache size, CUDA graphs equal eager, all-retrieval duo equals FLASH_ATTN, with fp8 KV duo
+follows FLASH_ATTN fp8, and a prefix-cache hit answers as cold."""
 
 import json
 import os
@@ -151,6 +151,9 @@ def test_prefix_hit_answers_as_cold(model):
 
 
 SQUEEZE_ALL = {"budget": 1.0, "min_context_len": 256, "max_contexts": 4, "keys_per_cluster": 8}
+# the same KV blocks in every run: FlashAttention-3's results move with their number, which the squeeze's store
+# would otherwise lower (benchmarks/results/2026-11-29-h200-prefill-kv-size)
+EQUAL_KV = dict(kv_cache_memory_bytes=2 * 1024**3)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -164,10 +167,8 @@ def test_squeeze_of_every_key_answers_as_duo(model, tmp_path, kv_cache_dtype):
     exact attention over the same fp8 pages (duo's PyTorch path), by `margin_shift` and by `logprob_shift`."""
     pattern = random_pattern(tmp_path / "p.json") if kv_cache_dtype == "auto" else "SmolLM2-135M-Instruct"
     duo = {"pattern": pattern, "sparsity": 0.5, "sink": 16, "recent": 64}
-    # the same KV blocks in every run: FlashAttention-3's results move with their number, which the squeeze's store
-    # would otherwise lower (benchmarks/results/2026-11-29-h200-prefill-kv-size)
     engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=False, dtype="bfloat16",
-                  max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=2 * 1024**3)
+                  max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype, **EQUAL_KV)
     lengths = (20, 300, 900, 2000)
     expected = generate_in_subprocess(engine, "duo", duo, lengths)
     squeezed = generate_in_subprocess(engine, "duo", dict(duo, squeeze=SQUEEZE_ALL), lengths)

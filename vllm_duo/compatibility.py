@@ -132,8 +132,9 @@ def _squeeze(config) -> str | None:
 def _attention_path(config) -> str | None:
     from vllm_duo.config import ATTENTION_PATHS, attention_path
 
-    if attention_path() not in ATTENTION_PATHS:
-        return (f"VLLM_DUO_ATTENTION={attention_path()}: not a duo attention path; use one of "
+    path = attention_path()
+    if path not in ATTENTION_PATHS:
+        return (f"VLLM_DUO_ATTENTION={path}: not a duo attention path; use one of "
                 f"{', '.join(ATTENTION_PATHS)} (default flash)")
     return None
 
