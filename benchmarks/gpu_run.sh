@@ -169,6 +169,11 @@ json.dump(c, open(p, 'w'), indent=1)"
       [ -d $WORK/long-request ] && tar czf "$OUT/long-request.tgz" -C $WORK long-request ;;
     # issue 22: short requests, 32 at once at 1k and 4k tokens (tpot_sweep has them 4 at once), one backend per call
     short_itl) bench short --workloads short_itl --only ${ONLY:?set ONLY} ;;
+    # issue 32: TTFT of 32 requests at 1k sent at once, REPEATS clients one after the other against each server
+    # (how their arrival splits them over the first steps varies: 3 runs spread 0.82-1.05x); KV the dtype; one
+    # backend per call, ~7 min each with 10 repeats (ONLY=dense, then ONLY=duo: the folder gathers both)
+    short_ttft) bench short-ttft-${KV:-auto} --workloads short_itl --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} \
+        --set short_itl.input_lens=1024 short_itl.repeats=${REPEATS:-10} ;;
     tpot_short) bench tpot-short --workloads tpot_sweep --set tpot_sweep.input_lens=1024,4096 ;;  # 4 at once, both
     # issue 19: prefix caching on both sides, bf16 and fp8 (ONLY=dense or duo: one backend per call)
     prefix_docs) bench prefix --workloads shared_docs --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} ;;

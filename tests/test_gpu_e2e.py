@@ -21,9 +21,11 @@ def model():
     return os.environ.get("VLLM_DUO_GPU_MODEL", "/tmp/smol")
 
 
-def generate(model, backend, duo, eager=True, memory=0.3, **env):
-    engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=memory, enforce_eager=eager,
+def generate(model, backend, duo, eager=True, kv_bytes=None, **env):
+    engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=eager,
                   dtype="bfloat16", max_num_batched_tokens=256)
+    if kv_bytes:  # a KV cache of this size whatever else runs on the GPU (another test's engine, as in e2e_bf16)
+        engine["kv_cache_memory_bytes"] = kv_bytes
     return generate_in_subprocess(engine, backend, duo, (20, 300, 900, 2000), **env)
 
 
@@ -38,8 +40,8 @@ def test_the_triton_path_is_the_same_in_any_cache_size(model):
     """`VLLM_DUO_ATTENTION=triton` leaves FlashAttention-3 out, whose results move with the number of KV blocks
     (duo's as dense's, benchmarks/results/2026-11-29-h200-prefill-kv-size): bit for bit in two cache sizes."""
     duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
-    full, less = (generate(model, "duo", duo, eager=False, memory=memory, VLLM_DUO_ATTENTION="triton")
-                  for memory in (0.3, 0.25))
+    full, less = (generate(model, "duo", duo, eager=False, kv_bytes=kv_bytes, VLLM_DUO_ATTENTION="triton")
+                  for kv_bytes in (2 * 1024**3, 3 * 1024**3 // 2))
     assert full["PROMPT_LOGPROBS"] == less["PROMPT_LOGPROBS"] and full["TOKENS"] == less["TOKENS"]
 
 
