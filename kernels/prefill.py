@@ -259,7 +259,8 @@ def _streaming_rest_kernel(query_ptr, stream_ptr, out_ptr, window_out_ptr, windo
 
     window = tl.load(window_out_ptr + tok64 * stride_wt + window_head[:, None] * stride_wh + offs_d[None, :],
                      mask=mask, other=0.0).to(tl.float32)
-    window_lse = tl.load(window_lse_ptr + window_head * stride_lh + tok * stride_lt, mask=row_ok, other=0.0) * LOG2E
+    window_lse = tl.load(window_lse_ptr + window_head * stride_lh + tok * stride_lt, mask=row_ok, other=0.0)
+    window_lse = window_lse * 1.4426950408889634  # log2(e): a literal, as compiled Triton reads no globals
     top = tl.maximum(m_i, window_lse)  # every row's window holds its own key: finite
     rest_weight = tl.exp2(m_i - top)
     window_weight = tl.exp2(window_lse - top)
