@@ -201,9 +201,6 @@ json.dump(c, open(p, 'w'), indent=1)"
     kernels) timeout 300 python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40 ;;
     kernels_fp8) timeout 300 python3 benchmarks/kernels_bench.py --fp8 2>&1 | tee "$OUT/kernels_bench_fp8.log" | tail -30 ;;
     kernels_mixed) timeout 300 python3 benchmarks/kernels_bench.py --mixed 2>&1 | tee "$OUT/kernels_bench_mixed.log" | tail -60 ;;
-    # issue 32: the streaming heads' window by FlashAttention-3 against the Triton prefill, per layer (~2 min)
-    kernels_window) timeout 300 python3 benchmarks/kernels_bench.py --streaming-window 2>&1 \
-        | tee "$OUT/kernels_bench_window.log" | tail -50 ;;
     kernels_long) timeout 400 python3 benchmarks/kernels_bench.py --long-decode 2>&1 \
         | tee "$OUT/kernels_bench_long.log" | tail -60 ;;
     # issue 33: decode steps with Squeezed Attention's lookup and sparse decode against duo's (kernels, no engine)

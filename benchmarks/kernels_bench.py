@@ -45,14 +45,9 @@ its row pass in 8 to 64 FlashAttention splits (served: 32).
 
 `--squeeze-ncu`: three squeezed steps at 4 x 128k, 1/16, eagerly, for Nsight Compute (gpu_run.sh squeeze_ncu).
 
-streaming window (`--streaming-window`, issue 32): one layer over batches with prefills of 512 to 8k tokens (fresh,
-after cached tokens, beside decodes), duo with the streaming heads' window by FlashAttention-3 and the rest by Triton
-against duo with the Triton prefill for all of them, and dense: device and host time, to place
-gpu_attention.FLASH_WINDOW_MIN_TOKENS.
-
-Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --streaming-window |
---long-decode | --squeeze-decode | --squeeze-sweep | --squeeze-ncu]
-(results: $OUT/kernels_bench[_fp8|_mixed|_window|_long_decode|_squeeze_decode|_squeeze_sweep|_squeeze_ncu].json, or
+Run from the repository root: python benchmarks/kernels_bench.py [--fp8 | --mixed | --long-decode | --squeeze-decode
+| --squeeze-sweep | --squeeze-ncu]
+(results: $OUT/kernels_bench[_fp8|_mixed|_long_decode|_squeeze_decode|_squeeze_sweep|_squeeze_ncu].json, or
 benchmarks/results/ without $OUT).
 """
 
@@ -654,97 +649,6 @@ def bench_mixed(fa, rows, out_json):
         del duo, dense_k, dense_v
         torch.cuda.empty_cache()
     out_json["mixed"] = results
-
-
-# Streaming window (issue 32): batches with prefills from 512 tokens to 8k, fresh and after cached tokens, beside
-# decodes, where FlashAttention-3's window pass over the streaming heads may or may not pay for its extra call.
-WINDOW_CASES = (("1 x 512 prefill", [(512, 512)]),
-                ("1 x 2k prefill", [(2048, 2048)]),
-                ("4 x 1k prefill", [(1024, 1024)] * 4),
-                ("burst 8 x 1k prefill", [(1024, 1024)] * 8),
-                ("burst 2 x 4k prefill", [(4096, 4096)] * 2),
-                ("8k chunk after 24k", [(32768, 8192)]),
-                ("31 decode 1k + 256 prefill", [(1024, 1)] * 31 + [(256, 256)]),
-                ("15 decode 16k + 384 after a 16k hit", [(16000, 1)] * 15 + [(16384, 384)]),
-                ("31 decode 1k + 2k prefill", [(1024, 1)] * 31 + [(2048, 2048)]))
-
-
-def bench_streaming_window(fa, rows, out_json):
-    """One layer's attention over WINDOW_CASES with the reference pattern's reordered half (bf16 cache): duo with the
-    streaming heads' window by FlashAttention-3 and the rest by Triton (`streaming_window_attention`), against duo
-    with the Triton prefill for all of them, and dense's cache write + FA3 (the step's schedule). Device time (CUDA
-    graph replay where the call can be captured), host time to issue, and the streaming part alone both ways."""
-    from vllm import _custom_ops as ops
-    from vllm.vllm_flash_attn import get_scheduler_metadata
-    from vllm_duo import gpu_attention
-
-    served = gpu_attention.FLASH_WINDOW_MIN_TOKENS
-    results = []
-    for name, batch in WINDOW_CASES:
-        seq_lens, new = [s for s, _ in batch], [n for _, n in batch]
-        T, max_q, max_s = sum(new), max(new), max(seq_lens)
-        duo = DuoLayout.build(seq_lens, retrieval=list(range(len(RETRIEVAL))))  # reordered at load, as served
-        heads = duo.heads
-        retrieval_table = duo.table[:, ::heads.stride].contiguous()
-        dense_k, dense_v, dense_table = dense_paged(seq_lens)
-        qsl = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32, device=DEV)
-        sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-        positions = torch.cat([torch.arange(s - n, s, device=DEV) for s, n in batch])
-        request = torch.cat([torch.full((n,), i, device=DEV) for i, n in enumerate(new)])
-        slots = (dense_table[request, positions // BLOCK].long() * BLOCK + positions % BLOCK).long()
-        qkv = torch.randn(T, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
-        query, key, value = qkv.split([NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)  # views, as vLLM's
-        out, fa_out = torch.empty_like(query), torch.empty_like(query)
-        one = torch.ones((), dtype=torch.float32, device=DEV)
-        schedules = {}
-        dense_schedule = get_scheduler_metadata(
-            batch_size=len(batch), max_seqlen_q=max_q, max_seqlen_k=max_s, num_heads_q=NUM_HEADS,
-            num_heads_kv=NUM_KV_HEADS, headdim=HEAD_DIM, cache_seqlens=sl, qkv_dtype=DTYPE, cu_seqlens_q=qsl,
-            page_size=BLOCK, causal=True)
-
-        def duo_layer(into=out):
-            duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, into, max_q, max_s,
-                              retrieval_table=retrieval_table, flash_schedules=schedules)
-
-        def dense_layer():
-            ops.reshape_and_cache_flash(key, value, dense_k, dense_v, slots, "auto", one, one)
-            fa(query, dense_k, dense_v, max_seqlen_q=max_q, cu_seqlens_q=qsl, max_seqlen_k=max_s, seqused_k=sl,
-               softmax_scale=SCALE, causal=True, block_table=dense_table, out=fa_out, scheduler_metadata=dense_schedule)
-
-        def window_streaming():
-            gpu_attention.streaming_window_attention(fa, query, key, value, duo.cache, heads, qsl, sl, duo.table,
-                                                     SCALE, out, max_q, duo.cache)
-
-        def triton_streaming():
-            prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True)
-
-        res = dict(case=name, tokens=T, requests=len(batch))
-        outputs = {}
-        try:
-            for label, threshold in (("window", 0), ("triton", 1 << 40)):
-                gpu_attention.FLASH_WINDOW_MIN_TOKENS = threshold
-                outputs[label] = out.new_full(out.shape, float("nan"))
-                duo_layer(outputs[label])
-                torch.cuda.synchronize()
-                res[f"duo_{label}_device_ms"] = device_ms(duo_layer)
-                res[f"duo_{label}_host_us"] = host_us(duo_layer)
-        finally:
-            gpu_attention.FLASH_WINDOW_MIN_TOKENS = served
-        res["streaming_rel_err"] = rel_err(outputs["window"][:, heads.streaming_q],
-                                           outputs["triton"][:, heads.streaming_q])
-        for label, fn in (("window", window_streaming), ("triton", triton_streaming)):
-            res[f"streaming_{label}_device_ms"] = device_ms(fn)
-            res[f"streaming_{label}_host_us"] = host_us(fn)
-        res["dense_device_ms"] = device_ms(dense_layer)
-        res["dense_host_us"] = host_us(dense_layer)
-        for part in ("duo_window", "duo_triton", "streaming_window", "streaming_triton", "dense"):
-            rows.append((f"window {T}", f"{name}: {part}, host us {res[f'{part}_host_us']:.0f}",
-                         res[f"{part}_device_ms"], float("nan")))
-        print(json.dumps(res), flush=True)  # a case at a time: a run cut short keeps what it measured
-        results.append(res)
-        del duo, dense_k, dense_v
-        torch.cuda.empty_cache()
-    out_json["streaming_window"] = results
 
 
 # Long decode (issue 32): (batch, context, cache dtype) of whole 32-layer decode steps, each one CUDA graph replay.
@@ -1367,8 +1271,6 @@ def main():
         parts = (("decode_fp8", bench_decode_fp8),)
     elif "--mixed" in sys.argv:
         parts = (("mixed", bench_mixed),)
-    elif "--streaming-window" in sys.argv:
-        parts = (("streaming_window", bench_streaming_window),)
     elif "--long-decode" in sys.argv:
         parts = (("long_decode", bench_long_decode),)
     elif "--squeeze-decode" in sys.argv:
@@ -1389,8 +1291,7 @@ def main():
 
     target = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
     target.mkdir(parents=True, exist_ok=True)
-    suffix = next((s for flag, s in (("--fp8", "_fp8"), ("--mixed", "_mixed"), ("--streaming-window", "_window"),
-                                     ("--long-decode", "_long_decode"),
+    suffix = next((s for flag, s in (("--fp8", "_fp8"), ("--mixed", "_mixed"), ("--long-decode", "_long_decode"),
                                      ("--squeeze-decode", "_squeeze_decode"), ("--squeeze-sweep", "_squeeze_sweep"),
                                      ("--squeeze-ncu", "_squeeze_ncu"))
                    if flag in sys.argv), "")
@@ -1404,8 +1305,7 @@ def main():
                if "rel_err" in k]
     checks += [(f"prefill {r['tokens']}", k, v) for r in out_json.get("prefill", []) for k, v in r.items()
                if "rel_err" in k]
-    checks += [(r["case"], k, v) for part in ("long_decode", "streaming_window") for r in out_json.get(part, [])
-               for k, v in r.items() if "rel_err" in k]
+    checks += [(r["case"], k, v) for r in out_json.get("long_decode", []) for k, v in r.items() if "rel_err" in k]
     for case, k, v in checks:
         print(f"  check {case} {k}: {v:.2e}")
     print(f"{'case':<13} {'kernel':<52} {'ms':>9} {'GB/s':>8} {'% nominal':>9}")

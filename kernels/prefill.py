@@ -191,84 +191,6 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, retrieval_kv_ptr,
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Batch-dependent ints are not specialized (as `_prefill_kernel`'s).
-@triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_streaming", "stride", "stream_offset", "page_heads",
-                               "sink", "recent"])
-def _streaming_rest_kernel(query_ptr, stream_ptr, out_ptr, window_out_ptr, window_lse_ptr, streaming_kv_ptr,
-                           query_start_loc_ptr, seq_lens_ptr, block_table_ptr, qk_scale,
-                           num_reqs, num_tiles, num_streaming, stride, stream_offset, page_heads, sink, recent,
-                           stride_qt: tl.int64, stride_qh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
-                           stride_wt: tl.int64, stride_wh: tl.int64, stride_lh: tl.int64, stride_lt: tl.int64,
-                           stride_table: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
-                           stride_sh: tl.int64,
-                           G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Grid (query tiles, streaming heads): the keys of the Λ mask that the window pass did not read, merged with it.
-
-    A row at position p of a chunk starting at c sees the sinks [0, sink) and the window (p - recent, p]; the window
-    pass read (p - recent, p] from c on. Left here: the sinks before c or at most p - recent, and the window's cached
-    tail (p - recent, c). The window pass's output is normalized and its log-sum-exp natural; here both sums are
-    base 2.
-    """
-    tile = num_tiles - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_end = tl.load(query_start_loc_ptr + req + 1)
-    t0 = q_start + (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
-    if t0 >= q_end:
-        return
-    chunk = tl.load(seq_lens_ptr + req) - (q_end - q_start)  # c: the chunk's first position
-    first = chunk + t0 - q_start
-    last = chunk + tl.minimum(t0 + BLOCK_Q, q_end) - 1 - q_start
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    tok = t0 + offs_m // G
-    row_ok = (offs_m < BLOCK_Q * G) & (tok < q_end)
-    q_pos = chunk + tok - q_start
-    kv_head = tl.load(streaming_kv_ptr + head)
-    q_head = kv_head * G + offs_m % G
-    window_head = head * G + offs_m % G
-    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tok64 = tok.to(tl.int64)[:, None]
-    q = tl.load(query_ptr + tok64 * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table_row = block_table_ptr + req * stride_table
-    sink_end = tl.minimum(sink, last + 1)
-    for start in range(0, sink_end, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < sink_end
-        k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                            stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE)
-        left = (pos[None, :] < chunk) | (pos[None, :] <= q_pos[:, None] - recent)
-        m_i, l_i, acc = softmax_tile(q, k, v, valid[None, :] & left, m_i, l_i, acc, qk_scale, True)
-    for start in range(tl.maximum(sink, first - recent + 1), chunk, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < chunk
-        k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                            stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE)
-        visible = valid[None, :] & (pos[None, :] > q_pos[:, None] - recent)
-        m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
-
-    window = tl.load(window_out_ptr + tok64 * stride_wt + window_head[:, None] * stride_wh + offs_d[None, :],
-                     mask=mask, other=0.0).to(tl.float32)
-    window_lse = tl.load(window_lse_ptr + window_head * stride_lh + tok * stride_lt, mask=row_ok, other=0.0)
-    window_lse = window_lse * 1.4426950408889634  # log2(e): a literal, as compiled Triton reads no globals
-    top = tl.maximum(m_i, window_lse)  # every row's window holds its own key: finite
-    rest_weight = tl.exp2(m_i - top)
-    window_weight = tl.exp2(window_lse - top)
-    out = (acc * rest_weight[:, None] + window * window_weight[:, None]) / (l_i * rest_weight + window_weight)[:, None]
-    tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def _prefill_config(head_dim: int, device: torch.device) -> dict:
     """Tile shapes: tensor-core sized on GPU; small on the CPU interpreter so tests cross many tiles."""
     if device.type != "cuda":
@@ -290,8 +212,7 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         query: `[num_tokens, num_heads, head_dim]`.
         cache: `[num_blocks, 2, block_size, P, head_dim]`.
         heads: the layer's head maps (index tensors on the cache's device).
-        query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table:
-            `[num_reqs, max_blocks]` int32.
+        query_start_loc: `[num_reqs + 1]` int32; seq_lens: `[num_reqs]` int32; block_table: `[num_reqs, max_blocks]` int32.
         output: `[num_tokens, num_heads, head_dim]`, written in place.
         min_query_len: 2 when decode.py serves the single-token requests.
         streaming_only: skip the retrieval heads (attention.py gives them to FlashAttention).
@@ -320,50 +241,3 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         *stream_cache.stride()[:4],
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), **cfg)
-
-
-def streaming_rest_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
-                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                             scale: float, output: torch.Tensor, window_out: torch.Tensor, window_lse: torch.Tensor,
-                             stream_cache: torch.Tensor | None = None, checked: bool = False) -> None:
-    """The streaming heads of every request, given a window pass over each chunk's own keys: the sinks and the
-    window's tail that the chunk does not hold, read from the page groups, merged with that pass.
-
-    The window pass is causal attention of the streaming heads over their chunk's own K/V, each query seeing its
-    last `recent` positions (FlashAttention-3's sliding window, gpu_attention.py). With sink 2, recent 4, a chunk
-    of 5 tokens from position 6 on (r: read here, from the page groups; w: the window pass):
-
-        position   0  1  2  3  4  5 | 6  7  8  9  10
-        query 6    r  r     r  r  r | w
-        query 8    r  r           r | w  w  w
-        query 10   r  r             |    w  w  w  w
-
-    In a fresh prompt (c = 0) a query reads here only the sinks that left its window (none before query `recent`).
-
-    Args:
-        query: `[num_tokens, num_heads, head_dim]`; output likewise, written at the streaming heads' queries.
-        cache: `[num_blocks, 2, block_size, P, head_dim]`, the step's K/V written (`write_kv`); stream_cache the
-            cache holding the layer's page groups (default `cache`).
-        window_out: `[num_tokens, S * G, head_dim]` the window pass's output, streaming head h's queries at
-            h * G ... (h + 1) * G - 1; window_lse: `[S * G, num_tokens]` its natural log-sum-exp, float32.
-    """
-    stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table,
-                                   checked)
-    num_tokens, num_reqs, S, G = query.shape[0], seq_lens.shape[0], heads.num_streaming, heads.group_size
-    if window_out.shape != (num_tokens, S * G, query.shape[-1]) or window_lse.shape != (S * G, num_tokens):
-        raise ValueError(f"window pass {tuple(window_out.shape)} / lse {tuple(window_lse.shape)} does not match "
-                         f"{num_tokens} tokens x {S * G} streaming query heads")
-    if num_tokens == 0 or num_reqs == 0 or S == 0:
-        return
-    head_dim = cache.shape[-1]
-    cfg = _prefill_config(head_dim, cache.device)
-    block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(G))
-    block_q = block_m // G
-    num_tiles = num_tokens // block_q + num_reqs
-    _streaming_rest_kernel[(num_tiles, S)](
-        query, stream_cache, output, window_out, window_lse, heads.streaming_kv, query_start_loc, seq_lens,
-        block_table, scale * LOG2E, num_reqs, num_tiles, S, heads.stride, heads.stream_offset, stream_cache.shape[3],
-        heads.sink, heads.recent, *query.stride()[:2], *output.stride()[:2], *window_out.stride()[:2],
-        *window_lse.stride(), block_table.stride(0), *stream_cache.stride()[:4],
-        G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=cache.shape[2], **cfg)

@@ -22,7 +22,7 @@ from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.cache_write import write_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
-from vllm_duo.kernels.prefill import prefill_attention, streaming_rest_attention  # noqa: E402
+from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
 from vllm_duo.kernels.reference import (FP8_CACHE_DTYPES, FP8_DTYPES, FP8_FORMATS, KVQuant,  # noqa: E402
                                         LayerHeads, duo_attention, quantize, write_retrieval, write_streaming)
 
@@ -70,9 +70,6 @@ GPU_PRESETS = {
                           head_dim=128, sink=64, recent=256),
     "mha_64": Preset(16, 16, tuple(range(0, 16, 3)), ((0, 700), (1200, 1), (400, 130)), head_dim=64,
                      sink=16, recent=128),
-    # retrieval heads first, as served, and 3,863 tokens: FlashAttention-3 takes the streaming heads' window too
-    "llama_mixed_reordered": Preset(32, 8, (0, 1, 2, 3), ((0, 1000), (3000, 1), (700, 513), (64, 1), (2500, 300),
-                                                          (0, 2048)), head_dim=128, sink=64, recent=256),
 }
 
 
@@ -296,76 +293,6 @@ def test_prefill_kernel_streaming_only(name):
     assert out[:, case.heads.retrieval_q].isnan().all()
 
 
-def window_pass(case: Case, query: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The streaming heads' window pass as FlashAttention-3 makes it (a torch stand-in): each chunk's queries over its
-    own keys, causal, the last `recent` positions; output `[T, S * G, D]` and natural log-sum-exp `[S * G, T]`."""
-    from test_sparse_kernels import stand_in_flash
-
-    heads, qsl = case.heads, case.qsl
-    return stand_in_flash(q=case.query[:, heads.streaming_q] if query is None else query,
-                          k=case.key[:, heads.streaming_kv], v=case.value[:, heads.streaming_kv], cu_seqlens_q=qsl,
-                          max_seqlen_q=0, cu_seqlens_k=qsl, max_seqlen_k=0, softmax_scale=case.scale, causal=True,
-                          window_size=(heads.recent - 1, 0), return_softmax_lse=True)
-
-
-@pytest.mark.parametrize("name", [name for name, p in PRESETS.items() if len(p.retrieval) < p.num_kv_heads])
-def test_streaming_rest_merged_with_the_window_pass_is_duo(name):
-    """The sinks and the window's cached tail, merged with a window pass over each chunk's own keys: the streaming
-    heads exactly as duo attends them (fresh prompts, chunks after cached tokens, decode rows), nothing else
-    written."""
-    case = make_case(PRESETS[name])
-    ref, _ = case.reference()
-    (cache, stream), out = written_caches(case), case.poisoned_output()
-    if case.heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it reads
-        cache, stream = stream, None
-    streaming_rest_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
-                             *window_pass(case), stream_cache=stream)
-    assert_close(out[:, case.heads.streaming_q], ref[:, case.heads.streaming_q], torch.float32)
-    assert out[:, case.heads.retrieval_q].isnan().all()
-
-
-# Retrieval heads first (weights reordered), as the prefill's window pass by FlashAttention needs: fresh prompts,
-# chunks after cached tokens (some starting inside the sinks), decode rows, windows longer than a chunk.
-WINDOW_PASS = {
-    "fresh_and_chunked": Preset(8, 4, (0,), ((0, 40), (50, 30), (20, 1), (3, 17), (0, 7))),
-    "all_streaming": Preset(6, 2, (), ((30, 20), (40, 1), (0, 50)), sink=1, recent=7),
-    "chunks_in_the_sinks": Preset(8, 4, (0, 1), ((2, 30), (1, 40), (12, 5)), sink=6, recent=8),
-    "window_past_chunks": Preset(4, 2, (0,), ((15, 10), (60, 9), (0, 70)), recent=40, block_size=8),
-    "wide_pages_pooled": Preset(6, 3, (0,), ((70, 5), (10, 1), (0, 90)), head_dim=80, block_size=32, page_heads=3,
-                                sink=8, recent=24, stream_host=(3, 37)),
-}
-
-
-@pytest.mark.parametrize("name, fewer", [(name, False) for name in WINDOW_PASS] + [("fresh_and_chunked", True)])
-def test_served_prefill_takes_the_streaming_window_from_flash_attention(name, fewer, monkeypatch):
-    """Served on Hopper over a cache of the model's dtype (FlashAttention-3 a torch stand-in here), a batch with
-    prefills of `gpu_attention.FLASH_WINDOW_MIN_TOKENS` tokens or more gives FlashAttention the streaming heads'
-    window over each chunk's own keys and the Triton kernel the rest (`fewer`: the Triton prefill all the streaming
-    heads): the step is duo's."""
-    from test_sparse_kernels import stand_in_flash
-
-    from vllm_duo import gpu_attention, vllm_seam
-
-    windows = []
-
-    def flash(**kw):
-        windows.append(kw.get("window_size"))
-        return stand_in_flash(**kw)
-
-    monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: flash)
-    # fp16: a dtype FlashAttention takes whose dots the CPU interpreter gets right (its bf16 ones come out wrong)
-    case = make_case(WINDOW_PASS[name], dtype=torch.float16)
-    monkeypatch.setattr(gpu_attention, "FLASH_WINDOW_MIN_TOKENS", case.query.shape[0] + fewer)
-    ref, ref_caches = case.reference()
-    (cache, stream), out = case.fresh_caches(), case.poisoned_output()
-    lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
-    duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
-                      case.scale, out, max(lens), max(case.seq_lens), stream_cache=stream)
-    assert ((case.heads.recent - 1, 0) in windows) != fewer
-    assert_close(out, ref, torch.float16)
-    assert_caches_equal((cache, stream), ref_caches)
-
-
 @pytest.mark.parametrize("name", PRESETS)
 def test_decode_kernel_streaming_only(name):
     """With the retrieval heads left to FlashAttention (fp8 pages), decode writes the streaming heads of single-token
@@ -456,9 +383,8 @@ def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
     assert [c["scheduler_metadata"] for c in calls] == ["schedule 1", "schedule 2", "schedule 1", "schedule 2"]
     assert [c["q"].shape[1] for c in calls] == [2, 4, 2, 4]  # each call's heads are its schedule's
 
-    # no schedules (a decode batch): FlashAttention makes its own
-    gpu_attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1,
-                                            torch.empty_like(query), 1, 9)
+    gpu_attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1, torch.empty_like(query),
+                                        1, 9)  # no schedules (a decode batch): FlashAttention makes its own
     assert "scheduler_metadata" not in calls[-1] and len(made) == 2
 
 

@@ -489,36 +489,24 @@ def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype):
     assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case, torch.bfloat16)
 
 
-def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, seqused_k=None,
-                   block_table=None, cu_seqlens_k=None, window_size=None, num_splits=0, out=None,
-                   return_softmax_lse=False, **_descales):
-    """FlashAttention-3's varlen call in torch, float32: entry b's queries [cu[b], cu[b+1]) over the first
-    seqused_k[b] keys of its pages (k, v `[num_pages, page_size, kv_heads, head_dim]`), or over its keys
-    [cu_seqlens_k[b], cu_seqlens_k[b + 1]) (k, v `[num_keys, kv_heads, head_dim]`); GQA, causal bottom-right, and a
-    query at i of m seeing no key before i + n - m - window_size[0] where window_size[0] >= 0."""
-    heads, kv_heads = q.shape[1], k.shape[-2]
+def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal, block_table,
+                   num_splits=0, out=None, return_softmax_lse=False, **_descales):
+    """FlashAttention-3's varlen paged call in torch, float32: entry b's queries [cu[b], cu[b+1]) over the first
+    seqused_k[b] keys of its pages (k, v `[num_pages, page_size, kv_heads, head_dim]`), GQA, causal bottom-right."""
+    heads, kv_heads = q.shape[1], k.shape[2]
     result = torch.zeros(q.shape, dtype=torch.float32)
     lse = torch.full((heads, q.shape[0]), float("-inf"))
     for b in range(cu_seqlens_q.shape[0] - 1):
-        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        if block_table is None:
-            keys, values = (x[int(cu_seqlens_k[b]):int(cu_seqlens_k[b + 1])] for x in (k, v))
-        else:
-            n = int(seqused_k[b])
-            pages = block_table[b, :-(-n // k.shape[1])].long()
-            keys, values = (x[pages].reshape(-1, kv_heads, x.shape[-1])[:n] for x in (k, v))
-        n = keys.shape[0]
+        lo, hi, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
         if hi == lo or n == 0:
             continue
-        keys, values = (x.float().repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
+        pages = block_table[b, :-(-n // k.shape[1])].long()
+        keys, values = (x[pages].reshape(-1, kv_heads, x.shape[-1])[:n].float().repeat_interleave(heads // kv_heads, 1)
+                        for x in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * softmax_scale
-        diagonal = torch.arange(hi - lo)[:, None] + n - (hi - lo)
-        visible = torch.ones(hi - lo, n, dtype=torch.bool)
         if causal:
-            visible &= torch.arange(n)[None, :] <= diagonal
-        if window_size is not None and window_size[0] >= 0:
-            visible &= torch.arange(n)[None, :] >= diagonal - window_size[0]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
+            visible = torch.arange(n)[None, :] <= torch.arange(hi - lo)[:, None] + n - (hi - lo)
+            scores = scores.masked_fill(~visible[None], float("-inf"))
         lse[:, lo:hi] = torch.logsumexp(scores, -1)
         result[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values)
     if out is not None:

@@ -3,11 +3,9 @@
 the Triton kernels (kernels/) for the rest.
 
 FlashAttention-3 (Hopper, vLLM's build) takes the retrieval heads of every prefill, and of decode over fp8 pages,
-which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8), and, in large prefill batches over a
-cache of the model's dtype, the streaming heads' window over each chunk's own keys (`streaming_window_attention`).
-Triton keeps the rest of the Λ-masked streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads,
-then the streaming heads, measured 35 us per layer at 4 x 1k, the one Triton launch about 32
-(benchmarks/results/2026-11-25-h100-host). Where
+which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8). Triton keeps the Λ-masked
+streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads, then the streaming heads, measured
+35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
 FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
 Where the squeeze is on, FlashAttention also reads the keys it selects and the window's newest, as pages of one cache
 row, merged with its window pass over the rest of the window (`selected_rows_attention`), which runs beside the
@@ -25,7 +23,6 @@ from vllm_duo import vllm_seam
 from vllm_duo.kernels.attention import triton_attention, write_step
 from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
 from vllm_duo.kernels.decode import _sm_count
-from vllm_duo.kernels.prefill import streaming_rest_attention
 from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 from vllm_duo.kernels.row_pages import merge_rows, row_views
@@ -72,15 +69,9 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
     if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
         write()
-    if (by_flash and max_query_len > 1 and query.shape[0] >= FLASH_WINDOW_MIN_TOKENS and heads.num_streaming
-            and heads.retrieval_first and cache.dtype == query.dtype):
-        streaming = functools.partial(streaming_window_attention, flash, query, key, value, cache, heads,
-                                      query_start_loc, seq_lens, block_table, scale, output, max_query_len,
-                                      stream_cache)
-    else:
-        streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
-                                      scale, output, max_query_len, max_num_splits, stream_cache, quant,
-                                      streaming_only=by_flash)
+    streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
+                                  scale, output, max_query_len, max_num_splits, stream_cache, quant,
+                                  streaming_only=by_flash)
     if not (by_flash and heads.num_retrieval):
         streaming()
         if squeezed is not None:
@@ -106,26 +97,6 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if squeezed is not None:
             squeezed(functools.partial(rows_part, window[0], lambda: window[1]))
         streaming()
-
-
-def streaming_window_attention(flash, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
-                               seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
-                               max_query_len: int, stream_cache: torch.Tensor) -> None:
-    """The streaming heads of a batch with prefills in two passes: FlashAttention-3's sliding window over each chunk's
-    own K/V, then the sinks and the window's cached tail from the page groups, merged (`streaming_rest_attention`).
-
-    FlashAttention cannot page through the page groups, but a chunk's own keys are most of what its queries see,
-    and the step's K/V (slices where the weights put the retrieval heads first) are what a cache of the model's
-    dtype holds, bit for bit. Over an fp8 cache the queries would see unrounded keys: the Triton prefill keeps it.
-    """
-    R = heads.num_retrieval
-    window_out, window_lse = flash(q=query[:, R * heads.group_size:], k=key[:, R:], v=value[:, R:],
-                                   cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len,
-                                   cu_seqlens_k=query_start_loc, max_seqlen_k=max_query_len, softmax_scale=scale,
-                                   causal=True, window_size=(heads.recent - 1, 0), return_softmax_lse=True)
-    streaming_rest_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, window_out,
-                             window_lse, stream_cache, checked=True)
 
 
 def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[], None], window_part, rows_part,
@@ -196,11 +167,6 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
-# Batches of this many tokens or more give the streaming heads' window to FlashAttention-3
-# (`streaming_window_attention`): on 8k-token prefills it took 0.065-0.072 ms a layer where the Triton prefill took
-# 0.15-0.17 (H100, results/2026-11-25-h100-host), but it is one more call, ~50-80 us of host time, which a step of
-# few tokens, bound by the host, would pay in full.
-FLASH_WINDOW_MIN_TOKENS = 2048
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32
