@@ -10,6 +10,12 @@ One in-process vLLM engine per run (`--backend dense` or `duo`), CUDA graphs and
   burst:  K new prompts of L tokens at once (short_itl's TTFT case): the chunked-prefill steps until every one has
           its first token, profiled over a whole burst (per step: the burst's steps on average).
 
+`--timeline R` runs bursts only, stepped as served (no sync between steps: asynchronous scheduling overlaps a step's
+host work with the GPU's previous step): a warm-up burst, R timed ones (each request's time to its first token from
+the burst's start; the burst's wall time) and one under the torch profiler, whose trace splits the burst's wall time
+into GPU busy and GPU idle (vllm_duo/tools/bench/timeline.py) and names what the host did in the longest idle gaps.
+Dense beside duo, that tells a TTFT gap made of kernel time from one made of host time the GPU waited for.
+
 It prints and writes (`--out`, JSON) the median wall time of each kind of step (`engine.step()`: schedule, model,
 sampling, outputs), the torch profiler's top CUDA kernels and CPU ops over P steps of each kind, per step, and
 cProfile's top Python functions over another P (the Python under a custom op, Triton's launcher included).
@@ -50,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="P: profiled steps of each kind")
     p.add_argument("--burst", type=int, default=32, help="K: prompts arriving at once in the burst (0: no burst)")
     p.add_argument("--burst-len", type=int, default=1024, help="L: tokens of each burst prompt")
+    p.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget a step (default vLLM's)")
+    p.add_argument("--timeline", type=int, default=0, metavar="R",
+                   help="bursts only: R timed and one profiled, stepped as served (see above)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU stack)")
     p.add_argument("--out", help="JSON file for the results")
     return p.parse_args(argv)
@@ -61,6 +70,8 @@ def build_engine(args):
     engine = dict(model=args.model, tokenizer=args.tokenizer or args.model, load_format=args.load_format,
                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.context + 1024,
                   enable_prefix_caching=True, enforce_eager=args.enforce_eager, seed=0)
+    if args.max_num_batched_tokens:
+        engine["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.backend == "duo":
         duo = {"pattern": args.pattern, "sparsity": args.sparsity}
         if args.squeeze:
@@ -142,10 +153,74 @@ def python_profile(run_steps, steps: int) -> list[dict]:
             for (path, line, name), (_, calls, own, cumulative, _) in rows]
 
 
+def burst_timeline(steps: Steps, args) -> dict:
+    """`--timeline R`: K fresh prompts of L tokens added at once, stepped without a sync until each has its first
+    token; a warm-up burst, R timed and one profiled (module docstring). Times in ms from the burst's start."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, record_function
+
+    from vllm_duo.tools.bench.timeline import gpu_timeline, load_trace
+
+    prompts = documents((args.timeline + 2) * args.burst, args.burst_len, seed=2)
+    bursts = iter(enumerate(prompts[i:i + args.burst] for i in range(0, len(prompts), args.burst)))
+
+    def burst() -> dict:
+        number, batch = next(bursts)
+        start = time.perf_counter()
+        for i, prompt in enumerate(batch):
+            steps.add(f"timeline{number}-{i}", prompt, 1)
+        first, count = [], 0
+        while steps.engine.has_unfinished_requests():
+            outputs = steps.engine.step()
+            count += 1
+            first += [(time.perf_counter() - start) * 1e3 for output in outputs if output.finished]
+        first.sort()
+        return {"steps": count, "wall_ms": (time.perf_counter() - start) * 1e3, "mean_ttft_ms": statistics.mean(first),
+                "p99_ttft_ms": first[min(len(first) - 1, len(first) * 99 // 100)]}
+
+    burst()
+    timed = [burst() for _ in range(args.timeline)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        with record_function("burst"):
+            profiled = burst()
+    with tempfile.TemporaryDirectory() as folder:
+        prof.export_chrome_trace(f"{folder}/trace.json")
+        events = load_trace(f"{folder}/trace.json")
+    window = next((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "burst")
+    profiled["gpu"] = gpu_timeline(events, window, exclude=("burst",))
+    median = {key: statistics.median(run[key] for run in timed) for key in ("wall_ms", "mean_ttft_ms", "p99_ttft_ms")}
+    return {"timed": timed, "median": median, "profiled": profiled}
+
+
+def print_timeline(label: str, timeline: dict) -> None:
+    median, profiled, gpu = timeline["median"], timeline["profiled"], timeline["profiled"]["gpu"]
+    print(f"== {label}: {len(timeline['timed'])} bursts, median wall {median['wall_ms']:.1f} ms, mean TTFT "
+          f"{median['mean_ttft_ms']:.1f}, p99 TTFT {median['p99_ttft_ms']:.1f}")
+    print(f"-- profiled burst: {profiled['steps']} steps, {gpu['window_ms']:.1f} ms: GPU busy {gpu['busy_ms']:.1f}, "
+          f"idle {gpu['idle_ms']:.1f} ({gpu['idle_gaps']} gaps of 0.2 ms or more); the longest:")
+    for gap in gpu["longest_gaps"]:
+        print(f"   {gap['ms']:7.2f} ms at {gap['at_ms']:7.1f}: {'; '.join(gap['host'])}")
+    print("   host time by vLLM's scopes: " + "; ".join(f"{name} {ms:.1f} ms"
+                                                       for name, ms in list(gpu["host_ms_by_scope"].items())[:8]))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.timeline:  # vLLM's own profiling scopes (schedule, preprocess, forward, sample ...) in the trace
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     llm = build_engine(args)
     steps = Steps(llm)
+    if args.timeline:
+        result = {"timeline": burst_timeline(steps, args), "settings": {k: v for k, v in vars(args).items()
+                                                                        if k != "out"}}
+        print_timeline(args.backend, result["timeline"])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
     docs = documents(args.batch, args.context)
     for i, doc in enumerate(docs):  # fill the prefix cache: every document prefilled once
         steps.add(f"fill{i}", doc, 1)

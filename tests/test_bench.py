@@ -574,3 +574,26 @@ def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(mon
     assert counts["engine_mean_itl_ms"] == pytest.approx(1e3 * 1.0 / 50)
     assert counts["engine_mean_ttft_ms"] == pytest.approx(1e3 * 6.0 / 2)
     assert served.client_counts({}, after) == {}
+
+
+def test_gpu_timeline_splits_a_window_into_busy_and_idle():
+    """Overlapping kernels count once, the window clips them, idle gaps name the host events across them (the
+    window's own annotation excluded), and host time is summed by scope."""
+    from vllm_duo.tools.bench.timeline import gpu_timeline
+
+    def event(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [event("user_annotation", "burst", 1000, 10000),
+              event("kernel", "gemm", 500, 1500),  # 1000..2000 inside the window
+              event("kernel", "attention", 1800, 1200),  # overlaps the gemm: busy to 3000
+              event("gpu_memcpy", "copy", 7000, 1000),  # after a 4 ms gap
+              event("kernel", "late", 10500, 2000),  # clipped at 11000
+              event("user_annotation", "schedule: allocate_slots", 3500, 2500),
+              event("cpu_op", "vllm::unified_attention_with_output", 5000, 300)]
+    timeline = gpu_timeline(events, (1000, 11000), exclude=("burst",))
+    assert timeline["window_ms"] == 10.0 and timeline["busy_ms"] == 3.5 and timeline["idle_ms"] == 6.5
+    assert [(gap["at_ms"], gap["ms"]) for gap in timeline["longest_gaps"]] == [(2.0, 4.0), (7.0, 2.5)]
+    assert timeline["longest_gaps"][0]["host"] == ["schedule: allocate_slots (2.50 ms)",
+                                                   "vllm::unified_attention_with_output (0.30 ms)"]
+    assert timeline["host_ms_by_scope"] == {"schedule: allocate_slots": 2.5}

@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where a stretch of engine wall time went on the GPU: busy (some kernel or copy running) or idle, read from a torch
+profiler trace (benchmarks/profile_steps.py --timeline). Idle time inside a burst of steps is time the GPU waited for
+the host; busy time is what faster kernels could shorten.
+
+    wall        |<--------------------------------------------- window --------------------------------------->|
+    kernels        [k1][k2]     [k3][k4][k5]            [k6]    [k7][k8]
+    busy           ########     ############            ####    ########
+    idle        ###        #####            ############    ####        ###
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # device activity in a Kineto chrome trace
+HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation")
+
+
+def load_trace(path: str | Path) -> list[dict]:
+    """The complete ("X") events of a chrome trace written by `torch.profiler.profile.export_chrome_trace`."""
+    trace = json.loads(Path(path).read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+
+
+def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10, min_gap_us: float = 200.0,
+                 exclude: tuple[str, ...] = ()) -> dict:
+    """Busy and idle milliseconds of the GPU within `window` (trace microseconds), and its `top` longest idle gaps of
+    at least `min_gap_us`, each with the host events (but those named in `exclude`, e.g. the window's own
+    annotation) that overlapped it the longest: what the host was doing meanwhile."""
+    start, end = window
+    spans = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in events
+                   if e.get("cat") in GPU_CATEGORIES and e["ts"] < end and e["ts"] + e["dur"] > start)
+    busy, gaps, covered = 0.0, [], start
+    for lo, hi in spans:
+        if lo > covered:
+            gaps.append((covered, lo))
+        if hi > covered:
+            busy += hi - max(lo, covered)
+            covered = hi
+    if covered < end:
+        gaps.append((covered, end))
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES and e.get("name") not in exclude]
+    longest = sorted((g for g in gaps if g[1] - g[0] >= min_gap_us), key=lambda g: g[0] - g[1])[:top]
+    scopes: dict[str, float] = {}  # host time by annotation (vLLM's profiling scopes), within the window
+    for e in host:
+        if e["cat"] == "user_annotation" and e["ts"] < end and e["ts"] + e["dur"] > start:
+            scopes[e["name"]] = scopes.get(e["name"], 0.0) + (min(e["ts"] + e["dur"], end) - max(e["ts"], start)) / 1e3
+    return {"window_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_ms": (end - start - busy) / 1e3,
+            "idle_gaps": len([g for g in gaps if g[1] - g[0] >= min_gap_us]),
+            "longest_gaps": [{"at_ms": (lo - start) / 1e3, "ms": (hi - lo) / 1e3,
+                              "host": _overlapping(host, lo, hi)} for lo, hi in longest],
+            "host_ms_by_scope": dict(sorted(scopes.items(), key=lambda item: -item[1]))}
+
+
+def _overlapping(host: list[dict], lo: float, hi: float, top: int = 4) -> list[str]:
+    """The names of the host events that overlap [lo, hi] the longest, with the overlap in ms."""
+    overlaps = sorted(((min(e["ts"] + e["dur"], hi) - max(e["ts"], lo), e["name"]) for e in host
+                       if e["ts"] < hi and e["ts"] + e["dur"] > lo), reverse=True)
+    return [f"{name[:80]} ({overlap / 1e3:.2f} ms)" for overlap, name in overlaps[:top]]
