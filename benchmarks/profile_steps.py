@@ -189,7 +189,8 @@ def burst_timeline(steps: Steps, args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         prof.export_chrome_trace(f"{folder}/trace.json")
         events = load_trace(f"{folder}/trace.json")
-    window = next((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "burst")
+    window = next((e["ts"], e["ts"] + e["dur"]) for e in events  # the host's range (not its GPU-side mirror)
+                  if e["name"] == "burst" and e.get("cat") == "user_annotation")
     profiled["gpu"] = gpu_timeline(events, window, exclude=("burst",))
     median = {key: statistics.median(run[key] for run in timed) for key in ("wall_ms", "mean_ttft_ms", "p99_ttft_ms")}
     return {"timed": timed, "median": median, "profiled": profiled}
