@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 sys.path.insert(0, "tests")
 from engines import generate_in_subprocess  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> None:
     for set_name in args.runs:
         for name, reference, engine_args, backend, duo, env in sets[set_name]:
             runs[name] = generate_in_subprocess(engine_args, backend, duo, LENGTHS, **env)
-            json.dump(runs, open(args.out, "w"))
+            Path(args.out).write_text(json.dumps(runs))
             if reference is not None:
                 same = [a == b for a, b in zip(runs[name]["TOKENS"], runs[reference]["TOKENS"])]
                 print(f"{args.kv_cache_dtype} {name} from {reference}, prompt logprobs: "

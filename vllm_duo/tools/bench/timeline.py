@@ -32,7 +32,7 @@ def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10,
     annotation) that overlapped it the longest: what the host was doing meanwhile."""
     start, end = window
     spans = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in events
-                   if e.get("cat") in GPU_CATEGORIES and e["ts"] < end and e["ts"] + e["dur"] > start)
+                   if e.get("cat") in GPU_CATEGORIES and _overlap(e, start, end) > 0)
     busy, gaps, covered = 0.0, [], start
     for lo, hi in spans:
         if lo > covered:
@@ -43,20 +43,25 @@ def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10,
     if covered < end:
         gaps.append((covered, end))
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES and e.get("name") not in exclude]
-    longest = sorted((g for g in gaps if g[1] - g[0] >= min_gap_us), key=lambda g: g[0] - g[1])[:top]
+    long_gaps = [g for g in gaps if g[1] - g[0] >= min_gap_us]
+    longest = sorted(long_gaps, key=lambda g: g[0] - g[1])[:top]
     scopes: dict[str, float] = {}  # host time by annotation (vLLM's profiling scopes), within the window
     for e in host:
-        if e["cat"] == "user_annotation" and e["ts"] < end and e["ts"] + e["dur"] > start:
-            scopes[e["name"]] = scopes.get(e["name"], 0.0) + (min(e["ts"] + e["dur"], end) - max(e["ts"], start)) / 1e3
+        if e["cat"] == "user_annotation" and _overlap(e, start, end) > 0:
+            scopes[e["name"]] = scopes.get(e["name"], 0.0) + _overlap(e, start, end) / 1e3
     return {"window_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_ms": (end - start - busy) / 1e3,
-            "idle_gaps": len([g for g in gaps if g[1] - g[0] >= min_gap_us]),
+            "idle_gaps": len(long_gaps),
             "longest_gaps": [{"at_ms": (lo - start) / 1e3, "ms": (hi - lo) / 1e3,
                               "host": _overlapping(host, lo, hi)} for lo, hi in longest],
             "host_ms_by_scope": dict(sorted(scopes.items(), key=lambda item: -item[1]))}
 
 
+def _overlap(event: dict, lo: float, hi: float) -> float:
+    """Microseconds of `event` inside [lo, hi] (<= 0: none)."""
+    return min(event["ts"] + event["dur"], hi) - max(event["ts"], lo)
+
+
 def _overlapping(host: list[dict], lo: float, hi: float, top: int = 4) -> list[str]:
     """The names of the host events that overlap [lo, hi] the longest, with the overlap in ms."""
-    overlaps = sorted(((min(e["ts"] + e["dur"], hi) - max(e["ts"], lo), e["name"]) for e in host
-                       if e["ts"] < hi and e["ts"] + e["dur"] > lo), reverse=True)
+    overlaps = sorted(((_overlap(e, lo, hi), e["name"]) for e in host if _overlap(e, lo, hi) > 0), reverse=True)
     return [f"{name[:80]} ({overlap / 1e3:.2f} ms)" for overlap, name in overlaps[:top]]
