@@ -176,8 +176,8 @@ json.dump(c, open(p, 'w'), indent=1)"
         --set short_itl.input_lens=1024 short_itl.repeats=${REPEATS:-10} ;;
     # issue 32: short_ttft's burst in one process, stepped as served (profile_steps.py --timeline): REPEATS timed
     # bursts of 32 x 1k and one profiled, GPU busy against idle, dense then duo (~3 min each; the server's
-    # max_model_len and token budget)
-    burst_timeline) for backend in dense duo; do
+    # max_model_len and token budget; BACKENDS: one of them alone)
+    burst_timeline) for backend in ${BACKENDS:-dense duo}; do
         tag=${backend}_${KV:-auto}
         timeout 280 python3 benchmarks/profile_steps.py --backend $backend --model /tmp/llama8b --tokenizer /tmp/smol \
           --load-format dummy --kv-cache-dtype ${KV:-auto} --context 97976 --max-num-batched-tokens 8192 --burst 32 \
