@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="P: profiled steps of each kind")
     p.add_argument("--burst", type=int, default=32, help="K: prompts arriving at once in the burst (0: no burst)")
     p.add_argument("--burst-len", type=int, default=1024, help="L: tokens of each burst prompt")
+    p.add_argument("--burst-out", type=int, default=1, metavar="O",
+                   help="--timeline: tokens each burst prompt generates (served short_itl: 256; from its first on, "
+                        "its decode rows join the burst's later prefill steps); the burst ends at the last first token")
     p.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget a step (default vLLM's)")
     p.add_argument("--timeline", type=int, default=0, metavar="R",
                    help="bursts only: R timed and one profiled, stepped as served (see above)")
@@ -155,7 +158,8 @@ def python_profile(run_steps, steps: int) -> list[dict]:
 
 def burst_timeline(steps: Steps, args) -> dict:
     """`--timeline R`: K fresh prompts of L tokens added at once, stepped without a sync until each has its first
-    token; a warm-up burst, R timed and one profiled (module docstring). Times in ms from the burst's start."""
+    token; a warm-up burst, R timed and one profiled (module docstring). Times in ms from the burst's start. Each
+    prompt generates O tokens (`--burst-out`): from its first on, its decode row joins the burst's later steps."""
     import tempfile
 
     import torch
@@ -167,25 +171,32 @@ def burst_timeline(steps: Steps, args) -> dict:
     bursts = iter(enumerate(prompts[i:i + args.burst] for i in range(0, len(prompts), args.burst)))
 
     def burst() -> dict:
+        """One burst until every prompt has its first token (its other tokens are `drain`'s, untimed)."""
         number, batch = next(bursts)
         start = time.perf_counter()
         for i, prompt in enumerate(batch):
-            steps.add(f"timeline{number}-{i}", prompt, 1)
-        first, count = [], 0
-        while steps.engine.has_unfinished_requests():
+            steps.add(f"timeline{number}-{i}", prompt, args.burst_out)
+        first, count = {}, 0
+        while len(first) < len(batch) and steps.engine.has_unfinished_requests():
             outputs = steps.engine.step()
             count += 1
-            first += [(time.perf_counter() - start) * 1e3 for output in outputs if output.finished]
-        first.sort()
-        return {"steps": count, "wall_ms": (time.perf_counter() - start) * 1e3, "mean_ttft_ms": statistics.mean(first),
-                "p99_ttft_ms": first[min(len(first) - 1, len(first) * 99 // 100)]}
+            first.update({output.request_id: (time.perf_counter() - start) * 1e3 for output in outputs
+                          if output.request_id not in first and output.outputs and output.outputs[0].token_ids})
+        times = sorted(first.values())
+        return {"steps": count, "wall_ms": (time.perf_counter() - start) * 1e3, "mean_ttft_ms": statistics.mean(times),
+                "p99_ttft_ms": times[min(len(times) - 1, len(times) * 99 // 100)]}
 
-    burst()
-    timed = [burst() for _ in range(args.timeline)]
+    def drained(run: dict) -> dict:
+        steps.drain()
+        return run
+
+    drained(burst())
+    timed = [drained(burst()) for _ in range(args.timeline)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch.profiler.profile(activities=activities) as prof:
         with record_function("burst"):
             profiled = burst()
+    steps.drain()
     with tempfile.TemporaryDirectory() as folder:
         prof.export_chrome_trace(f"{folder}/trace.json")
         events = load_trace(f"{folder}/trace.json")
