@@ -552,7 +552,7 @@ def test_pretokenized_throughput_sends_the_sampled_prompts_as_token_ids(smollm2_
 
 def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(monkeypatch):
     """The /metrics counters are summed over label sets; the older ITL histogram counts only where the newer is
-    absent; a client's figures are the counters' growth over its run."""
+    absent; a client's figures are the counters' growth over its run: latencies, TTFT's parts and steps."""
     import io
     import urllib.request
 
@@ -562,17 +562,26 @@ def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(mon
         'vllm:prefix_cache_queries_total{engine="0"} 100\nvllm:prefix_cache_hits_total{engine="0"} 40\n'
         'vllm:inter_token_latency_seconds_sum{engine="0"} 2.0\nvllm:inter_token_latency_seconds_count{engine="0"} 100\n'
         'vllm:time_per_output_token_seconds_sum{engine="0"} 9.0\nvllm:time_to_first_token_seconds_sum 1.0\n'
-        'vllm:time_to_first_token_seconds_count 2\n# HELP vllm:ignored x\n',
+        'vllm:time_to_first_token_seconds_count 2\nvllm:request_queue_time_seconds_sum 0.5\n'
+        'vllm:request_queue_time_seconds_count 2\nvllm:request_prefill_time_seconds_sum 0.4\n'
+        'vllm:request_prefill_time_seconds_count 2\nvllm:iteration_tokens_total_count{engine="0"} 10\n'
+        'vllm:iteration_tokens_total_sum{engine="0"} 2000\n# HELP vllm:ignored x\n',
         'vllm:prefix_cache_queries_total{engine="0"} 300\nvllm:prefix_cache_hits_total{engine="0"} 190\n'
         'vllm:inter_token_latency_seconds_sum{engine="0"} 3.0\nvllm:inter_token_latency_seconds_count{engine="0"} 150\n'
         'vllm:time_per_output_token_seconds_sum{engine="0"} 99.0\nvllm:time_to_first_token_seconds_sum 7.0\n'
-        'vllm:time_to_first_token_seconds_count 4\n'])
+        'vllm:time_to_first_token_seconds_count 4\nvllm:request_queue_time_seconds_sum 0.9\n'
+        'vllm:request_queue_time_seconds_count 4\nvllm:request_prefill_time_seconds_sum 4.4\n'
+        'vllm:request_prefill_time_seconds_count 4\nvllm:iteration_tokens_total_count{engine="0"} 14\n'
+        'vllm:iteration_tokens_total_sum{engine="0"} 10200\n'])
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(next(pages).encode()))
     before, after = served.server_counters(8000), served.server_counters(8000)
     counts = served.client_counts(before, after)
     assert counts["prefix_cache_hit_rate"] == pytest.approx(150 / 200)
     assert counts["engine_mean_itl_ms"] == pytest.approx(1e3 * 1.0 / 50)
     assert counts["engine_mean_ttft_ms"] == pytest.approx(1e3 * 6.0 / 2)
+    assert counts["engine_mean_queue_ms"] == pytest.approx(1e3 * 0.4 / 2)
+    assert counts["engine_mean_prefill_ms"] == pytest.approx(1e3 * 4.0 / 2)
+    assert counts["engine_steps"] == 4 and counts["engine_tokens_per_step"] == pytest.approx(8200 / 4)
     assert served.client_counts({}, after) == {}
 
 

@@ -54,7 +54,15 @@ _COUNTERS = {"queries": ("vllm:prefix_cache_queries_total",), "hits": ("vllm:pre
              "itl_s": ("vllm:inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum"),
              "itl_count": ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"),
              "ttft_s": ("vllm:time_to_first_token_seconds_sum",),
-             "ttft_count": ("vllm:time_to_first_token_seconds_count",)}
+             "ttft_count": ("vllm:time_to_first_token_seconds_count",),
+             # a TTFT's parts in the engine core: waiting to be scheduled, then scheduled until its first token
+             "queue_s": ("vllm:request_queue_time_seconds_sum",),
+             "queue_count": ("vllm:request_queue_time_seconds_count",),
+             "prefill_s": ("vllm:request_prefill_time_seconds_sum",),
+             "prefill_count": ("vllm:request_prefill_time_seconds_count",),
+             # the engine's steps and the tokens they scheduled (prompt and generated)
+             "steps": ("vllm:iteration_tokens_total_count",),
+             "step_tokens": ("vllm:iteration_tokens_total_sum",)}
 
 
 def server_counters(port: int) -> dict[str, float]:
@@ -77,17 +85,21 @@ def server_counters(port: int) -> dict[str, float]:
 
 
 def client_counts(before: dict[str, float], after: dict[str, float]) -> dict:
-    """One client's prefix-cache hits and the engine's mean inter-token latency and TTFT over its requests: the
-    counters' growth while it ran."""
+    """One client's prefix-cache hits, the engine's mean inter-token latency and TTFT over its requests (and the
+    TTFT's queueing and prefill parts), and its steps: the counters' growth while it ran."""
     grew = {key: after[key] - before[key] for key in before.keys() & after.keys()}
     counts = {}
     if "queries" in grew and "hits" in grew:
         counts.update(prefix_cache_queries=grew["queries"], prefix_cache_hits=grew["hits"],
                       prefix_cache_hit_rate=grew["hits"] / grew["queries"] if grew["queries"] else None)
     for name, total, count in (("engine_mean_itl_ms", "itl_s", "itl_count"),
-                               ("engine_mean_ttft_ms", "ttft_s", "ttft_count")):
-        if grew.get(count):
+                               ("engine_mean_ttft_ms", "ttft_s", "ttft_count"),
+                               ("engine_mean_queue_ms", "queue_s", "queue_count"),
+                               ("engine_mean_prefill_ms", "prefill_s", "prefill_count")):
+        if grew.get(count) and total in grew:
             counts[name] = 1e3 * grew[total] / grew[count]
+    if grew.get("steps"):
+        counts.update(engine_steps=grew["steps"], engine_tokens_per_step=grew.get("step_tokens", 0) / grew["steps"])
     return counts
 
 
