@@ -217,6 +217,8 @@ def print_timeline(label: str, timeline: dict) -> None:
         print(f"   {gap['ms']:7.2f} ms at {gap['at_ms']:7.1f}: {'; '.join(gap['host'])}")
     print("   host time by vLLM's scopes: " + "; ".join(f"{name} {ms:.1f} ms"
                                                        for name, ms in list(gpu["host_ms_by_scope"].items())[:8]))
+    print("   device time by kernel: " + "; ".join(f"{name[:60]} {ms:.1f} ms"
+                                                  for name, ms in gpu["device_ms_by_kernel"].items()))
 
 
 def main(argv=None) -> dict:

@@ -587,7 +587,7 @@ def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(mon
 
 def test_gpu_timeline_splits_a_window_into_busy_and_idle():
     """Overlapping kernels count once, the window clips them, idle gaps name the host events across them (the
-    window's own annotation excluded), and host time is summed by scope."""
+    window's own annotation excluded), host time is summed by scope and device time by kernel."""
     from vllm_duo.tools.bench.timeline import gpu_timeline
 
     def event(cat, name, ts, dur):
@@ -606,3 +606,5 @@ def test_gpu_timeline_splits_a_window_into_busy_and_idle():
     assert timeline["longest_gaps"][0]["host"] == ["schedule: allocate_slots (2.50 ms)",
                                                    "vllm::unified_attention_with_output (0.30 ms)"]
     assert timeline["host_ms_by_scope"] == {"schedule: allocate_slots": 2.5}
+    assert timeline["device_ms_by_kernel"] == {"attention": 1.2, "gemm": 1.0, "copy": 1.0, "late": 0.5}
+    assert next(iter(timeline["device_ms_by_kernel"])) == "attention"

@@ -29,10 +29,11 @@ def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10,
                  exclude: tuple[str, ...] = ()) -> dict:
     """Busy and idle milliseconds of the GPU within `window` (trace microseconds), and its `top` longest idle gaps of
     at least `min_gap_us`, each with the host events (but those named in `exclude`, e.g. the window's own
-    annotation) that overlapped it the longest: what the host was doing meanwhile."""
+    annotation) that overlapped it the longest: what the host was doing meanwhile; the `top` kernels by device
+    time within the window (what busy time is made of)."""
     start, end = window
-    spans = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in events
-                   if e.get("cat") in GPU_CATEGORIES and _overlap(e, start, end) > 0)
+    device = [e for e in events if e.get("cat") in GPU_CATEGORIES and _overlap(e, start, end) > 0]
+    spans = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in device)
     busy, gaps, covered = 0.0, [], start
     for lo, hi in spans:
         if lo > covered:
@@ -49,11 +50,15 @@ def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10,
     for e in host:
         if e["cat"] == "user_annotation" and _overlap(e, start, end) > 0:
             scopes[e["name"]] = scopes.get(e["name"], 0.0) + _overlap(e, start, end) / 1e3
+    kernels: dict[str, float] = {}  # device time by kernel name (truncated), within the window
+    for e in device:
+        kernels[e["name"][:80]] = kernels.get(e["name"][:80], 0.0) + _overlap(e, start, end) / 1e3
     return {"window_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_ms": (end - start - busy) / 1e3,
             "idle_gaps": len(long_gaps),
             "longest_gaps": [{"at_ms": (lo - start) / 1e3, "ms": (hi - lo) / 1e3,
                               "host": _overlapping(host, lo, hi)} for lo, hi in longest],
-            "host_ms_by_scope": dict(sorted(scopes.items(), key=lambda item: -item[1]))}
+            "host_ms_by_scope": dict(sorted(scopes.items(), key=lambda item: -item[1])),
+            "device_ms_by_kernel": dict(sorted(kernels.items(), key=lambda item: -item[1])[:top])}
 
 
 def _overlap(event: dict, lo: float, hi: float) -> float:
