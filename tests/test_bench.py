@@ -90,6 +90,9 @@ def test_tiny_zigzag_serve_sweep_on_cpu(smollm2_dir, tmp_path, subprocess_env):
         assert run["pattern"] == str((out / "patterns" / "zigzag-0.5.json").resolve())
         assert "--max-concurrency 2" in run["command"] and run["client_concurrency"] == 2
         assert run["metrics"]["completed"] == 4 and run["metrics"]["median_itl_ms"] > 0
+        # the server's own counters over the client's run: its steps and the TTFT's parts
+        assert run["metrics"]["engine_steps"] >= 4 and run["metrics"]["engine_mean_prefill_ms"] > 0
+        assert 0 <= run["metrics"]["engine_mean_queue_ms"] < run["metrics"]["engine_mean_ttft_ms"]
         assert run["server_log"] == runs[0]["server_log"]  # both clients against one server
     heads = re.search(r"retrieval heads per layer \[([\d, ]+)\]", (out / runs[0]["server_log"]).read_text()).group(1)
     per_layer = [int(n) for n in heads.split(", ")]
