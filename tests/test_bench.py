@@ -568,14 +568,16 @@ def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(mon
         'vllm:time_to_first_token_seconds_count 2\nvllm:request_queue_time_seconds_sum 0.5\n'
         'vllm:request_queue_time_seconds_count 2\nvllm:request_prefill_time_seconds_sum 0.4\n'
         'vllm:request_prefill_time_seconds_count 2\nvllm:iteration_tokens_total_count{engine="0"} 10\n'
-        'vllm:iteration_tokens_total_sum{engine="0"} 2000\n# HELP vllm:ignored x\n',
+        'vllm:iteration_tokens_total_sum{engine="0"} 2000\nvllm:iteration_tokens_total_bucket{engine="0",le="64.0"} 6\n'
+        'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf"} 10\n# HELP vllm:ignored x\n',
         'vllm:prefix_cache_queries_total{engine="0"} 300\nvllm:prefix_cache_hits_total{engine="0"} 190\n'
         'vllm:inter_token_latency_seconds_sum{engine="0"} 3.0\nvllm:inter_token_latency_seconds_count{engine="0"} 150\n'
         'vllm:time_per_output_token_seconds_sum{engine="0"} 99.0\nvllm:time_to_first_token_seconds_sum 7.0\n'
         'vllm:time_to_first_token_seconds_count 4\nvllm:request_queue_time_seconds_sum 0.9\n'
         'vllm:request_queue_time_seconds_count 4\nvllm:request_prefill_time_seconds_sum 4.4\n'
         'vllm:request_prefill_time_seconds_count 4\nvllm:iteration_tokens_total_count{engine="0"} 14\n'
-        'vllm:iteration_tokens_total_sum{engine="0"} 10200\n'])
+        'vllm:iteration_tokens_total_sum{engine="0"} 10200\nvllm:iteration_tokens_total_bucket{engine="0",le="64.0"} 9\n'
+        'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf"} 14\n'])
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(next(pages).encode()))
     before, after = served.server_counters(8000), served.server_counters(8000)
     counts = served.client_counts(before, after)
@@ -585,6 +587,7 @@ def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(mon
     assert counts["engine_mean_queue_ms"] == pytest.approx(1e3 * 0.4 / 2)
     assert counts["engine_mean_prefill_ms"] == pytest.approx(1e3 * 4.0 / 2)
     assert counts["engine_steps"] == 4 and counts["engine_tokens_per_step"] == pytest.approx(8200 / 4)
+    assert counts["engine_steps_by_tokens"] == {"<=64": 3, "<=+Inf": 4}  # one of the four steps carried prefill
     assert served.client_counts({}, after) == {}
 
 

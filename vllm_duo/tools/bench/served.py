@@ -63,10 +63,14 @@ _COUNTERS = {"queries": ("vllm:prefix_cache_queries_total",), "hits": ("vllm:pre
              # the engine's steps and the tokens they scheduled (prompt and generated)
              "steps": ("vllm:iteration_tokens_total_count",),
              "step_tokens": ("vllm:iteration_tokens_total_sum",)}
+# ... and how many steps scheduled at most N tokens, by the histogram's bucket bounds N (a step with more tokens than
+# the batch has requests carries prefill)
+_STEP_BUCKETS = "vllm:iteration_tokens_total_bucket"
 
 
 def server_counters(port: int) -> dict[str, float]:
-    """The server's counters of `_COUNTERS` from its /metrics (summed over its label sets); {} if unreachable."""
+    """The server's counters of `_COUNTERS` from its /metrics (summed over its label sets), and its steps by size
+    (`steps<=N`, from `_STEP_BUCKETS`); {} if unreachable."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             text = response.read().decode()
@@ -76,8 +80,10 @@ def server_counters(port: int) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("vllm:"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name == _STEP_BUCKETS and 'le="' in line:
+                name = "steps<=" + line.split('le="', 1)[1].split('"', 1)[0].removesuffix(".0")
             by_name[name] = by_name.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    counters = {}
+    counters = {name: count for name, count in by_name.items() if name.startswith("steps<=")}
     for key, names in _COUNTERS.items():
         if found := next((name for name in names if name in by_name), None):
             counters[key] = by_name[found]
@@ -100,6 +106,8 @@ def client_counts(before: dict[str, float], after: dict[str, float]) -> dict:
             counts[name] = 1e3 * grew[total] / grew[count]
     if grew.get("steps"):
         counts.update(engine_steps=grew["steps"], engine_tokens_per_step=grew.get("step_tokens", 0) / grew["steps"])
+        counts["engine_steps_by_tokens"] = {key.removeprefix("steps"): grew[key] for key in sorted(
+            (key for key in grew if key.startswith("steps<=")), key=lambda key: float(key.removeprefix("steps<=")))}
     return counts
 
 
