@@ -179,13 +179,14 @@ json.dump(c, open(p, 'w'), indent=1)"
         --set short_itl.input_lens=1024 short_itl.repeats=${REPEATS:-10} ;;
     # issue 32: short_ttft's burst in one process, stepped as served (profile_steps.py --timeline): REPEATS timed
     # bursts of 32 x 1k and one profiled, GPU busy against idle, dense then duo (~2 min each; the server's
-    # max_model_len and token budget; BACKENDS: one of them alone; OUTPUT tokens a prompt, served: 256)
+    # max_model_len and token budget; BACKENDS: one of them alone; OUTPUT tokens a prompt, served: 256; ARRIVAL ms
+    # over which the prompts arrive, 0: at once)
     burst_timeline) for backend in ${BACKENDS:-dense duo}; do
-        tag=${backend}_${KV:-auto}_out${OUTPUT:-256}
+        tag=${backend}_${KV:-auto}_out${OUTPUT:-256}_arrival${ARRIVAL:-0}
         timeout 280 python3 benchmarks/profile_steps.py --backend $backend --model /tmp/llama8b --tokenizer /tmp/smol \
           --load-format dummy --kv-cache-dtype ${KV:-auto} --context 97976 --max-num-batched-tokens 8192 --burst 32 \
-          --burst-len 1024 --burst-out ${OUTPUT:-256} --timeline ${REPEATS:-10} --out "$OUT/timeline_$tag.json" \
-          > "$OUT/timeline_$tag.log" 2>&1
+          --burst-len 1024 --burst-out ${OUTPUT:-256} --burst-arrival-ms ${ARRIVAL:-0} --timeline ${REPEATS:-10} \
+          --out "$OUT/timeline_$tag.json" > "$OUT/timeline_$tag.log" 2>&1
         grep -A14 "^== " "$OUT/timeline_$tag.log" | cut -c1-400
       done ;;
     tpot_short) bench tpot-short --workloads tpot_sweep --set tpot_sweep.input_lens=1024,4096 ;;  # 4 at once, both

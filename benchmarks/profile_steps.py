@@ -59,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burst-out", type=int, default=1, metavar="O",
                    help="--timeline: tokens each burst prompt generates (served short_itl: 256; from its first on, "
                         "its decode rows join the burst's later prefill steps); the burst ends at the last first token")
+    p.add_argument("--burst-arrival-ms", type=float, default=0.0, metavar="A",
+                   help="--timeline: the burst's prompts arrive evenly over A ms (0: all at once), each added before "
+                        "the first step after its arrival, as a server's engine core takes its input between steps; "
+                        "TTFT from each prompt's arrival")
     p.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget a step (default vLLM's)")
     p.add_argument("--timeline", type=int, default=0, metavar="R",
                    help="bursts only: R timed and one profiled, stepped as served (see above)")
@@ -158,8 +162,9 @@ def python_profile(run_steps, steps: int) -> list[dict]:
 
 def burst_timeline(steps: Steps, args) -> dict:
     """`--timeline R`: K fresh prompts of L tokens added at once, stepped without a sync until each has its first
-    token; a warm-up burst, R timed and one profiled (module docstring). Times in ms from the burst's start. Each
-    prompt generates O tokens (`--burst-out`): from its first on, its decode row joins the burst's later steps."""
+    token; a warm-up burst, R timed and one profiled (module docstring). Times in ms from the burst's start, TTFT
+    from each prompt's arrival (`--burst-arrival-ms`). Each prompt generates O tokens (`--burst-out`): from its
+    first on, its decode row joins the burst's later steps."""
     import tempfile
 
     import torch
@@ -173,16 +178,24 @@ def burst_timeline(steps: Steps, args) -> dict:
     def burst() -> dict:
         """One burst until every prompt has its first token (its other tokens are `drain`'s, untimed)."""
         number, batch = next(bursts)
-        start = time.perf_counter()
-        for i, prompt in enumerate(batch):
-            steps.add(f"timeline{number}-{i}", prompt, args.burst_out)
-        first, count = {}, 0
-        while len(first) < len(batch) and steps.engine.has_unfinished_requests():
+        names = [f"timeline{number}-{i}" for i in range(len(batch))]
+        arrivals = [i * args.burst_arrival_ms / max(len(batch) - 1, 1) for i in range(len(batch))]
+        start, added, count, first = time.perf_counter(), 0, 0, {}
+        while len(first) < len(batch):
+            now = (time.perf_counter() - start) * 1e3
+            while added < len(batch) and arrivals[added] <= now:
+                steps.add(names[added], batch[added], args.burst_out)
+                added += 1
+            if not steps.engine.has_unfinished_requests():
+                if added == len(batch):
+                    break
+                time.sleep((arrivals[added] - now) / 1e3)
+                continue
             outputs = steps.engine.step()
             count += 1
             first.update({output.request_id: (time.perf_counter() - start) * 1e3 for output in outputs
                           if output.request_id not in first and output.outputs and output.outputs[0].token_ids})
-        times = sorted(first.values())
+        times = sorted(first[name] - arrival for name, arrival in zip(names, arrivals) if name in first)
         return {"steps": count, "wall_ms": (time.perf_counter() - start) * 1e3, "mean_ttft_ms": statistics.mean(times),
                 "p99_ttft_ms": times[min(len(times) - 1, len(times) * 99 // 100)]}
 
