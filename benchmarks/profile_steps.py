@@ -12,8 +12,9 @@ One in-process vLLM engine per run (`--backend dense` or `duo`), CUDA graphs and
 
 `--timeline R` runs bursts only, stepped as served (no sync between steps: asynchronous scheduling overlaps a step's
 host work with the GPU's previous step): a warm-up burst, R timed ones (each request's time to its first token from
-the burst's start; the burst's wall time) and one under the torch profiler, whose trace splits the burst's wall time
-into GPU busy and GPU idle (vllm_duo/tools/bench/timeline.py) and names what the host did in the longest idle gaps.
+its arrival, the burst's start unless `--burst-arrival-ms`; the burst's wall time) and one under the torch profiler,
+whose trace splits the burst's wall time into GPU busy and GPU idle (vllm_duo/tools/bench/timeline.py) and names
+what the host did in the longest idle gaps.
 Dense beside duo, that tells a TTFT gap made of kernel time from one made of host time the GPU waited for.
 
 It prints and writes (`--out`, JSON) the median wall time of each kind of step (`engine.step()`: schedule, model,
@@ -54,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=16000, help="C: tokens of each request's document")
     p.add_argument("--new-tokens", type=int, default=384, help="N: tokens the arriving request prefills past its hit")
     p.add_argument("--steps", type=int, default=8, help="P: profiled steps of each kind")
-    p.add_argument("--burst", type=int, default=32, help="K: prompts arriving at once in the burst (0: no burst)")
+    p.add_argument("--burst", type=int, default=32, help="K: prompts in the burst, at once (0: no burst)")
     p.add_argument("--burst-len", type=int, default=1024, help="L: tokens of each burst prompt")
     p.add_argument("--burst-out", type=int, default=1, metavar="O",
                    help="--timeline: tokens each burst prompt generates (served short_itl: 256; from its first on, "
@@ -161,10 +162,10 @@ def python_profile(run_steps, steps: int) -> list[dict]:
 
 
 def burst_timeline(steps: Steps, args) -> dict:
-    """`--timeline R`: K fresh prompts of L tokens added at once, stepped without a sync until each has its first
-    token; a warm-up burst, R timed and one profiled (module docstring). Times in ms from the burst's start, TTFT
-    from each prompt's arrival (`--burst-arrival-ms`). Each prompt generates O tokens (`--burst-out`): from its
-    first on, its decode row joins the burst's later steps."""
+    """`--timeline R`: K fresh prompts of L tokens (at once or as they arrive), stepped without a sync until each has
+    its first token; a warm-up burst, R timed and one profiled (module docstring). Times in ms from the burst's
+    start, TTFT from each prompt's arrival (`--burst-arrival-ms`). Each prompt generates O tokens (`--burst-out`):
+    from its first on, its decode row joins the burst's later steps."""
     import tempfile
 
     import torch

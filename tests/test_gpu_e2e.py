@@ -37,8 +37,8 @@ def test_kernel_path_equals_torch_path(model, tmp_path, path):
 
 
 def test_the_triton_path_is_the_same_in_any_cache_size(model):
-    """`VLLM_DUO_ATTENTION=triton` leaves FlashAttention-3 out, whose results move with the number of KV blocks
-    (duo's as dense's, benchmarks/results/2026-11-29-h200-prefill-kv-size): bit for bit in two cache sizes."""
+    """`VLLM_DUO_ATTENTION=triton` leaves FlashAttention-3 out, whose results move with the KV cache (its number of
+    blocks, or from run to run: benchmarks/results/2026-11-29-h200-prefill-kv-size): bit for bit in two cache sizes."""
     duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5, "sink": 16, "recent": 64}
     full, less = (generate(model, "duo", duo, eager=False, kv_bytes=kv_bytes, VLLM_DUO_ATTENTION="triton")
                   for kv_bytes in (2 * 1024**3, 3 * 1024**3 // 2))
