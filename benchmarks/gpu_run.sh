@@ -187,7 +187,7 @@ json.dump(c, open(p, 'w'), indent=1)"
           --load-format dummy --kv-cache-dtype ${KV:-auto} --context 97976 --max-num-batched-tokens 8192 --burst 32 \
           --burst-len 1024 --burst-out ${OUTPUT:-256} --burst-arrival-ms ${ARRIVAL:-0} --timeline ${REPEATS:-10} \
           --out "$OUT/timeline_$tag.json" > "$OUT/timeline_$tag.log" 2>&1
-        grep -A14 "^== " "$OUT/timeline_$tag.log" | cut -c1-400
+        grep -A15 "^== " "$OUT/timeline_$tag.log" | cut -c1-400
       done ;;
     tpot_short) bench tpot-short --workloads tpot_sweep --set tpot_sweep.input_lens=1024,4096 ;;  # 4 at once, both
     # issue 19: prefix caching on both sides, bf16 and fp8 (ONLY=dense or duo: one backend per call)

@@ -233,6 +233,8 @@ def print_timeline(label: str, timeline: dict) -> None:
                                                        for name, ms in list(gpu["host_ms_by_scope"].items())[:8]))
     print("   device time by kernel: " + "; ".join(f"{name[:60]} {ms:.1f} ms"
                                                   for name, ms in gpu["device_ms_by_kernel"].items()))
+    print("   idle time by the launch it waited for: " + "; ".join(
+        f"{name} {entry['ms']:.1f} ms ({entry['gaps']} gaps)" for name, entry in gpu["idle_ms_by_launch"].items()))
 
 
 def main(argv=None) -> dict:

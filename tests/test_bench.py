@@ -593,19 +593,23 @@ def test_server_counters_give_each_client_its_hits_and_the_engines_latencies(mon
 
 def test_gpu_timeline_splits_a_window_into_busy_and_idle():
     """Overlapping kernels count once, the window clips them, idle gaps name the host events across them (the
-    window's own annotation excluded), host time is summed by scope and device time by kernel."""
-    from vllm_duo.tools.bench.timeline import gpu_timeline
+    window's own annotation excluded), host time is summed by scope and device time by kernel; each gap is charged
+    to the host ops around the launch of the work that ended it, or to the queue where that launch came first."""
+    from vllm_duo.tools.bench.timeline import QUEUED, gpu_timeline
 
-    def event(cat, name, ts, dur):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    def event(cat, name, ts, dur, correlation=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1,
+                **({"args": {"correlation": correlation}} if correlation is not None else {})}
 
     events = [event("user_annotation", "burst", 1000, 10000),
               event("kernel", "gemm", 500, 1500),  # 1000..2000 inside the window
               event("kernel", "attention", 1800, 1200),  # overlaps the gemm: busy to 3000
-              event("gpu_memcpy", "copy", 7000, 1000),  # after a 4 ms gap
-              event("kernel", "late", 10500, 2000),  # clipped at 11000
+              event("gpu_memcpy", "copy", 7000, 1000, correlation=7),  # after a 4 ms gap
+              event("kernel", "late", 10500, 2000, correlation=9),  # clipped at 11000
               event("user_annotation", "schedule: allocate_slots", 3500, 2500),
-              event("cpu_op", "vllm::unified_attention_with_output", 5000, 300)]
+              event("cpu_op", "vllm::unified_attention_with_output", 5000, 300),
+              event("cuda_runtime", "cudaMemcpyAsync", 5100, 10, correlation=7),  # late: the GPU idled from 3000
+              event("cuda_driver", "cuLaunchKernel", 6500, 10, correlation=9)]  # before its gap (8000) began
     timeline = gpu_timeline(events, (1000, 11000), exclude=("burst",))
     assert timeline["window_ms"] == 10.0 and timeline["busy_ms"] == 3.5 and timeline["idle_ms"] == 6.5
     assert [(gap["at_ms"], gap["ms"]) for gap in timeline["longest_gaps"]] == [(2.0, 4.0), (7.0, 2.5)]
@@ -614,3 +618,6 @@ def test_gpu_timeline_splits_a_window_into_busy_and_idle():
     assert timeline["host_ms_by_scope"] == {"schedule: allocate_slots": 2.5}
     assert timeline["device_ms_by_kernel"] == {"attention": 1.2, "gemm": 1.0, "copy": 1.0, "late": 0.5}
     assert next(iter(timeline["device_ms_by_kernel"])) == "attention"
+    assert timeline["idle_ms_by_launch"] == {
+        "schedule: allocate_slots > vllm::unified_attention_with_output": {"ms": 4.0, "gaps": 1},
+        QUEUED: {"ms": 2.5, "gaps": 1}}

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where a stretch of engine wall time went on the GPU: busy (some kernel or copy running) or idle, read from a torch
 profiler trace (benchmarks/profile_steps.py --timeline). Idle time inside a burst of steps is time the GPU waited for
-the host; busy time is what faster kernels could shorten.
+the host; busy time is what faster kernels could shorten. Each gap is charged to the launch of the device work that
+ends it (the host op that issued it, found by the trace's correlation ids): a launch issued after the GPU went idle
+means the host was late, and its op names the host work to shorten.
 
     wall        |<--------------------------------------------- window --------------------------------------->|
     kernels        [k1][k2]     [k3][k4][k5]            [k6]    [k7][k8]
@@ -16,6 +18,8 @@ from pathlib import Path
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # device activity in a Kineto chrome trace
 HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, cuLaunchKernel (Triton), cudaGraphLaunch ...
+QUEUED = "(queued before the gap)"  # the work after the gap was launched before it began: not the host's lateness
 
 
 def load_trace(path: str | Path) -> list[dict]:
@@ -33,17 +37,19 @@ def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10,
     time within the window (what busy time is made of)."""
     start, end = window
     device = [e for e in events if e.get("cat") in GPU_CATEGORIES and _overlap(e, start, end) > 0]
-    spans = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in device)
-    busy, gaps, covered = 0.0, [], start
-    for lo, hi in spans:
+    busy, gaps, covered, after_gap = 0.0, [], start, []  # after_gap[i]: the device event that ended gaps[i]
+    for e in sorted(device, key=lambda e: e["ts"]):
+        lo, hi = max(e["ts"], start), min(e["ts"] + e["dur"], end)
         if lo > covered:
             gaps.append((covered, lo))
+            after_gap.append(e)
         if hi > covered:
             busy += hi - max(lo, covered)
             covered = hi
     if covered < end:
         gaps.append((covered, end))
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES and e.get("name") not in exclude]
+    by_launch = _idle_by_launch(events, host, gaps, after_gap)
     long_gaps = [g for g in gaps if g[1] - g[0] >= min_gap_us]
     longest = sorted(long_gaps, key=lambda g: g[0] - g[1])[:top]
     scopes: dict[str, float] = {}  # host time by annotation (vLLM's profiling scopes), within the window
@@ -58,7 +64,31 @@ def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10,
             "longest_gaps": [{"at_ms": (lo - start) / 1e3, "ms": (hi - lo) / 1e3,
                               "host": _overlapping(host, lo, hi)} for lo, hi in longest],
             "host_ms_by_scope": dict(sorted(scopes.items(), key=lambda item: -item[1])),
-            "device_ms_by_kernel": dict(sorted(kernels.items(), key=lambda item: -item[1])[:top])}
+            "device_ms_by_kernel": dict(sorted(kernels.items(), key=lambda item: -item[1])[:top]),
+            "idle_ms_by_launch": dict(sorted(by_launch.items(), key=lambda item: -item[1]["ms"])[:top])}
+
+
+def _idle_by_launch(events: list[dict], host: list[dict], gaps: list[tuple[float, float]],
+                    after_gap: list[dict]) -> dict[str, dict]:
+    """Idle ms and gap count by the launch of the device work after each gap: the innermost two host ops around the
+    launch call ("outer > inner"), or `QUEUED` where the launch came before the gap began."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    by_launch: dict[str, dict] = {}
+    for (lo, hi), work in zip(gaps, after_gap):
+        launch = launches.get(work.get("args", {}).get("correlation"))
+        if launch is None:
+            key = "(launch not in the trace)"
+        elif launch["ts"] <= lo:
+            key = QUEUED
+        else:
+            around = sorted((e for e in host if e.get("tid") == launch.get("tid")
+                             and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+            key = " > ".join(e["name"][:60] for e in reversed(around[:2])) or launch["name"]
+        entry = by_launch.setdefault(key, {"ms": 0.0, "gaps": 0})
+        entry["ms"] += (hi - lo) / 1e3
+        entry["gaps"] += 1
+    return by_launch
 
 
 def _overlap(event: dict, lo: float, hi: float) -> float:
