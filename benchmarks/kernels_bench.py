@@ -20,7 +20,9 @@ path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
 
 mixed (`--mixed`, issue 22): one layer over the mixed batches vLLM runs eagerly between piecewise CUDA graphs
 (prefill bursts of 1k and 4k prompts, decodes beside a chunk), duo against dense's cache write + FA3: device time,
-the host time to issue a call, cProfile's split of it, and the streaming heads' prefill over several tile shapes.
+the host time to issue a call, cProfile's split of it, and the streaming heads' prefill as served (fresh prompts' keys
+from the step's K/V), with every key from the page groups, and over several tile shapes. q, k and v are views of one
+fused qkv, as vLLM passes them.
 Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
 streaming heads in one program each as before they were split.
 
@@ -486,12 +488,13 @@ DECODE_MIN_SPLITS = (64, 128, 256)  # kernels/decode.py's shortest split: MIN_SP
 PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2),
-                   dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1),  # 2 stages need 288 KB of shared memory
                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
                    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                    dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2))
+                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2),
+                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=1))
 
 
 def bench_decode_splits(query, duo: DuoLayout, qsl, sl, out, name: str, T: int, rows) -> list[dict]:
@@ -542,9 +545,10 @@ def bench_mixed(fa, rows, out_json):
         positions = torch.cat([torch.arange(s - n, s, device=DEV) for s, n in batch])
         request = torch.cat([torch.full((n,), i, device=DEV) for i, n in enumerate(new)])
         slots = (dense_table[request, positions // BLOCK].long() * BLOCK + positions % BLOCK).long()
-        query = torch.randn(T, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
-        key = torch.randn(T, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
-        value = torch.randn_like(key)
+        # views of one fused qkv, as vLLM's attention layers get them
+        qkv = torch.randn(T, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=DTYPE, device=DEV)
+        query, key, value = (part.view(T, -1, HEAD_DIM) for part in qkv.split(
+            [NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=1))
         out, fa_out = torch.empty_like(query), torch.empty_like(query)
         one = torch.ones((), dtype=torch.float32, device=DEV)
         max_q, max_s = max(new), max(seq_lens)
@@ -582,12 +586,17 @@ def bench_mixed(fa, rows, out_json):
             rows.append((f"mixed {T}", f"{name}: duo layer making FA3's schedule, host us/call "
                          f"{res['duo_host_us_making_the_schedule']:.0f}", float("nan"), float("nan")))
 
-        def streaming(into):
-            prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, into, streaming_only=True)
+        def streaming(into, fresh_kv=(key, value)):  # as served: fresh prompts' keys from the step's K/V
+            prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, into, streaming_only=True,
+                              fresh_kv=fresh_kv)
 
         res["duo_write_kv_ms"] = device_ms(lambda: cache_write.write_kv(key, value, duo.cache, heads, qsl, sl,
                                                                         duo.table))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
+        if max_q > 1:  # every key from the page groups, as before fresh prompts read the step's K/V
+            res["duo_streaming_prefill_paged_ms"] = device_ms(lambda: streaming(out, fresh_kv=None))
+            rows.append((f"mixed {T}", f"{name}: duo streaming_prefill, all keys from the page groups",
+                         res["duo_streaming_prefill_paged_ms"], float("nan")))
         res["duo_retrieval_fa3_ms"] = device_ms(lambda: retrieval_flash_attention(
             fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s,
             schedules=schedules if max_q > 1 else None))  # as duo_attention_gpu: none in decode (graphs)

@@ -2,10 +2,15 @@
 """Triton chunked-prefill duo attention over a varlen batch: causal retrieval heads, Λ-masked streaming heads.
 
 One program takes BLOCK_Q query tokens x the G query heads of one KV head (BLOCK_M = BLOCK_Q * G
-rows, GQA packed so each K/V tile serves the whole group). Both kinds read the cache alone, the
-chunk's own tokens included (`write_kv` runs first): retrieval heads their pages, streaming heads
-only the sink tiles and the window of `recent` positions below the tile from their page groups, so
-their work is O(chunk x (sink + recent)). The tile helpers here are shared with decode.py.
+rows, GQA packed so each K/V tile serves the whole group). Both kinds read the cache, the chunk's
+own tokens included (`write_kv` runs first): retrieval heads their pages, streaming heads only the
+sink tiles and the window of `recent` positions below the tile from their page groups, so their
+work is O(chunk x (sink + recent)). The tile helpers here are shared with decode.py.
+
+A streaming program whose request has no cached tokens (a fresh prompt: every key it sees is in this
+step) reads its keys from the step's own K/V instead (`fresh_kv`), which a cache of the model's dtype
+holds bit for bit: contiguous rows at an address it computes, where a page-group read first loads the
+block table and then the row it names, and a program's few tiles wait on that chain one by one.
 """
 
 from __future__ import annotations
@@ -95,31 +100,51 @@ def streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_
 
 
 @triton.jit
+def chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, dtype, HEAD_DIM: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """K/V `[N, D]` at positions `pos` of a request whose tokens all are in this step, from the step's K/V:
+    `key_row0`/`value_row0` point at its position 0 in the KV head's column."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = pos.to(tl.int64)[:, None]
+    return (tl.load(key_row0 + rows * stride_kt + offs_d[None, :], mask=ok, other=0.0).to(dtype),
+            tl.load(value_row0 + rows * stride_vt + offs_d[None, :], mask=ok, other=0.0).to(dtype))
+
+
+@triton.jit
 def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row, head, num_streaming, stream_offset,
                     page_heads, stride, sink, recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                    key_row0, value_row0, stride_kt, stride_vt,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr):
     """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
 
     Only two key ranges can be visible: the sinks [0, sink) and the window
     [first - recent + 1, last]; everything between is skipped (its pages may be freed).
+    FRESH: the keys come from the step's K/V (`chunk_kv`), not the page groups.
     """
     offs_n = tl.arange(0, BLOCK_N)
     sink_end = tl.minimum(sink, last + 1)
     for start in range(0, sink_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < sink_end
-        k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                            stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE)
+        if FRESH:
+            k, v = chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D)
+        else:
+            k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
+                                stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
+                                BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
         pos = start + offs_n
         valid = pos <= last
-        k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                            stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE)
+        if FRESH:
+            k, v = chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D)
+        else:
+            k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
+                                stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
+                                BLOCK_SIZE)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
@@ -128,20 +153,24 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
 # Batch-dependent ints are not specialized: each new value class would compile a new kernel mid-serving.
 @triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "stride", "stream_offset",
                                "page_heads", "sink", "recent", "min_query_len", "head_offset"])
-def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, retrieval_kv_ptr, streaming_kv_ptr,
-                    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
+def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_ptr, retrieval_kv_ptr,
+                    streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+                    qk_scale,
                     num_reqs, num_tiles, num_retrieval, num_streaming, stride, stream_offset, page_heads,
                     sink, recent, min_query_len, head_offset,
                     stride_qt: tl.int64, stride_qh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
                     stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                     stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
-                    stride_sh: tl.int64,
+                    stride_sh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64,
+                    stride_vh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-                    FP16: tl.constexpr):
+                    FP16: tl.constexpr, STREAMING_ONLY: tl.constexpr, FRESH_KV: tl.constexpr):
     """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones.
 
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, the output the v scale.
+    STREAMING_ONLY: no retrieval head in the grid (compiled without their path); FRESH_KV: `key_ptr`/`value_ptr`
+    are the step's K/V as the cache holds them, read by the streaming heads of requests with nothing cached.
     """
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a prompt have the most keys: start them first
     head = tl.program_id(1) + head_offset
@@ -160,7 +189,8 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, retrieval_kv_ptr,
     tok = t0 + offs_m // G
     row_ok = (offs_m < BLOCK_Q * G) & (tok < q_end)
     q_pos = num_cached + tok - q_start
-    if head < num_retrieval:
+    retrieval = (not STREAMING_ONLY) and head < num_retrieval
+    if retrieval:
         kv_head = tl.load(retrieval_kv_ptr + head)
     else:
         kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
@@ -177,15 +207,23 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, retrieval_kv_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_table_ptr + req * stride_table
-    if head < num_retrieval:
+    if retrieval:
         m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, 0, last + 1, first, cache_ptr, table_row, stride,
                                         head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+    elif FRESH_KV and num_cached == 0:
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
+                                        head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
+                                        recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                                        key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh,
+                                        value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh,
+                                        stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True)
     else:
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
                                         head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
                                         recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+                                        key_ptr, value_ptr, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                        BLOCK_SIZE, False)
     out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -203,7 +241,8 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
 def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                       min_query_len: int = 1, streaming_only: bool = False, stream_cache: torch.Tensor | None = None,
-                      quant: KVQuant | None = None, checked: bool = False) -> None:
+                      quant: KVQuant | None = None, checked: bool = False,
+                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
     The batch's K/V must already be in the cache (`write_kv`).
@@ -219,6 +258,9 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         stream_cache: the cache whose page groups hold the layer's streaming K/V (default `cache`).
         quant: the k/v scales of an fp8 cache (default 1).
         checked: the caller has validated these inputs (`write_kv`'s argument).
+        fresh_kv: the step's key and value (`write_kv`'s): with `streaming_only`, the streaming heads of requests
+            with nothing cached read them instead of the page groups where the cache holds them unchanged (its dtype
+            is theirs). Without `streaming_only` the kernel would need more shared memory than an H100 has.
     """
     stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table,
                                    checked)
@@ -232,12 +274,16 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
     block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(G))
     block_q = block_m // G
     num_tiles = num_tokens // block_q + num_reqs
+    fresh = streaming_only and fresh_kv is not None and fresh_kv[0].dtype == stream_cache.dtype
+    key, value = fresh_kv if fresh else (query, query)  # unread unless fresh
     _prefill_kernel[(num_tiles, num_heads)](
-        query, cache, stream_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
+        query, cache, stream_cache, output, key, value, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
+        seq_lens,
         block_table, *scale_tensors(quant, cache), scale * LOG2E,
         num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset,
         stream_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
         *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
-        *stream_cache.stride()[:4],
+        *stream_cache.stride()[:4], *key.stride()[:2], *value.stride()[:2],
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), **cfg)
+        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
+        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, **cfg)

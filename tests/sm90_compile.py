@@ -106,7 +106,11 @@ def cases():
             block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(G))
             block_n = config.pop("BLOCK_N")
             constants = dict(shape, G=G, BLOCK_Q=block_m // G, BLOCK_M=block_m, BLOCK_N=block_n, FP16=fp16)
-            yield f"prefill {tag}", _prefill_kernel, model, cache, constants, config
+            yield (f"prefill {tag}", _prefill_kernel, model, cache,
+                   dict(constants, STREAMING_ONLY=False, FRESH_KV=False), config)
+            # as served beside FlashAttention: fresh prompts' streaming keys from the step where the cache keeps them
+            yield (f"prefill streaming heads {tag}", _prefill_kernel, model, cache,
+                   dict(constants, STREAMING_ONLY=True, FRESH_KV=cache == model), config)
 
         block_n, min_split, num_stages = decode_tiles(head_dim, CUDA)
         splits = ((1, 1), (64, 2)) if "decode without splits" in variants else ((64, 2),)

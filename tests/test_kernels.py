@@ -294,6 +294,31 @@ def test_prefill_kernel_streaming_only(name):
 
 
 @pytest.mark.parametrize("name", PRESETS)
+def test_fresh_prompts_read_their_streaming_keys_from_the_step(name):
+    """Given the step's K/V, the streaming heads of requests with nothing cached read them and nothing of the page
+    groups (poisoned here after the write): the same output bit for bit as from the written cache; requests with
+    cached tokens still read the page groups (the poison reaches them)."""
+    case = make_case(PRESETS[name])
+    (cache, stream), out = written_caches(case), case.poisoned_output()
+    if case.heads.num_retrieval == 0 and stream is not None:
+        cache, stream = stream, None
+    prefill_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+                      streaming_only=True, stream_cache=stream)
+    streaming_q = case.heads.streaming_q
+    if not streaming_q.numel():
+        return
+    (stream if stream is not None else cache).fill_(float("nan"))
+    from_step = case.poisoned_output()
+    prefill_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, from_step,
+                      streaming_only=True, stream_cache=stream, fresh_kv=(case.key, case.value))
+    for i, seq_len in enumerate(case.seq_lens):
+        rows = slice(case.query_start_loc[i], case.query_start_loc[i + 1])
+        fresh = seq_len == rows.stop - rows.start
+        got, paged = from_step[rows][:, streaming_q], out[rows][:, streaming_q]
+        assert torch.equal(got, paged) if fresh else got.isnan().all(), (i, fresh)
+
+
+@pytest.mark.parametrize("name", PRESETS)
 def test_decode_kernel_streaming_only(name):
     """With the retrieval heads left to FlashAttention (fp8 pages), decode writes the streaming heads of single-token
     requests and nothing else."""

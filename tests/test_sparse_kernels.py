@@ -515,6 +515,32 @@ def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
     return (result, lse) if return_softmax_lse else result
 
 
+
+@pytest.mark.parametrize("name", ["prefill_only", "chunked_mixed", "pooled_streaming"])
+def test_served_prefill_with_a_flash_stand_in(name, monkeypatch):
+    """A multi-token step as gpu_attention.py serves it, on the CPU with a torch stand-in for FlashAttention-3 (float32
+    let through): the retrieval heads by the stand-in, the streaming heads by the Triton prefill, given the step's K/V
+    for fresh prompts (the call `prefill_attention` gets is spied on); the reference's output, the cache as written."""
+    from vllm_duo import gpu_attention, vllm_seam
+    from vllm_duo.kernels import attention
+
+    monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
+    monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.float32, torch.float32)})
+    calls, prefill = [], attention.prefill_attention
+    monkeypatch.setattr(attention, "prefill_attention", lambda *a, **kw: calls.append(kw) or prefill(*a, **kw))
+    case = make_case(PRESETS[name])
+    ref, _ = case.reference()
+    cache, stream = case.fresh_caches()
+    out = case.poisoned_output()
+    lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
+    gpu_attention.duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl,
+                                    case.block_table, case.scale, out, max(lens), max(case.seq_lens),
+                                    stream_cache=stream)
+    assert_close(out, ref, torch.float32)
+    assert_caches_equal((cache, stream), written_caches(case))
+    (call,) = calls
+    assert call["streaming_only"] and call["fresh_kv"][0] is case.key and call["fresh_kv"][1] is case.value
+
 # decode batches with two rows or more past a block: GQA 3, a mixed batch, 32-token pages of 3 slots, head_dim 80
 FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],
                 "mixed": Preset(8, 4, (1, 3), ((50, 30), (40, 1), (3, 17), (70, 1), (33, 45), (20, 1))),

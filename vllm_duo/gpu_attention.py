@@ -71,7 +71,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         write()
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
-                                  streaming_only=by_flash)
+                                  streaming_only=by_flash, fresh_kv=(key, value))
     if not (by_flash and heads.num_retrieval):
         streaming()
         if squeezed is not None:
