@@ -112,6 +112,19 @@ def chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, dtype, HEAD
 
 
 @triton.jit
+def streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads, stride,
+                      stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt, stride_vt, dtype,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr):
+    """A streaming key tile from the step's K/V (FRESH, `chunk_kv`) or from the page groups (`streaming_kv`)."""
+    if FRESH:
+        k, v = chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, dtype, HEAD_DIM, BLOCK_D)
+    else:
+        k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads, stride,
+                            stride_sb, stride_skv, stride_sr, stride_sh, dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+    return k, v
+
+
+@triton.jit
 def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row, head, num_streaming, stream_offset,
                     page_heads, stride, sink, recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
                     key_row0, value_row0, stride_kt, stride_vt,
@@ -128,23 +141,17 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
     for start in range(0, sink_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < sink_end
-        if FRESH:
-            k, v = chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D)
-        else:
-            k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                                stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
-                                BLOCK_SIZE)
+        k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
+                                 stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt,
+                                 stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
         pos = start + offs_n
         valid = pos <= last
-        if FRESH:
-            k, v = chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D)
-        else:
-            k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                                stride, stride_sb, stride_skv, stride_sr, stride_sh, q.dtype, HEAD_DIM, BLOCK_D,
-                                BLOCK_SIZE)
+        k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
+                                 stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt,
+                                 stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
