@@ -21,8 +21,8 @@ path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
 mixed (`--mixed`, issue 22): one layer over the mixed batches vLLM runs eagerly between piecewise CUDA graphs
 (prefill bursts of 1k and 4k prompts, decodes beside a chunk), duo against dense's cache write + FA3: device time,
 the host time to issue a call, cProfile's split of it, and the streaming heads' prefill as served (fresh prompts' keys
-from the step's K/V), with every key from the page groups, and over several tile shapes. q, k and v are views of one
-fused qkv, as vLLM passes them.
+from the step's K/V), with every key from the page groups, and over several tile shapes, among them the loop that
+loads each key tile one ahead (PREFETCH). q, k and v are views of one fused qkv, as vLLM passes them.
 Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
 streaming heads in one program each as before they were split.
 
@@ -484,17 +484,22 @@ MIXED_CASES = (("decode 4 x 1k (a CUDA graph when served)", [(1024, 1)] * 4),
 SERVED_MAX_MODEL_LEN = 99000  # tpot_sweep's and short_itl's server
 DECODE_MIN_SPLITS = (64, 128, 256)  # kernels/decode.py's shortest split: MIN_SPLIT_TOKENS and shorter ones
 # Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config; the first is its H100
-# choice for head_dim 128).
-PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
-                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2),
-                   dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1),  # 2 stages need 288 KB of shared memory
-                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
-                   dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-                   dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2),
-                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=1))
+# choice for head_dim 128); PREFETCH: one loop that loads the next key tile before attending the current one.
+_TILES = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+          dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2),
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1),  # 2 stages need 288 KB of shared memory
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
+          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+          dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2),
+          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=1))
+_PREFETCHED = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
+               dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=1),
+               dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=1),
+               dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1))
+PREFILL_CONFIGS = (tuple(dict(c, PREFETCH=False) for c in _TILES) + tuple(dict(c, PREFETCH=True) for c in _PREFETCHED))
 
 
 def bench_decode_splits(query, duo: DuoLayout, qsl, sl, out, name: str, T: int, rows) -> list[dict]:

@@ -129,31 +129,58 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
                     page_heads, stride, sink, recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
                     key_row0, value_row0, stride_kt, stride_vt,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr, PREFETCH: tl.constexpr):
     """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
 
     Only two key ranges can be visible: the sinks [0, sink) and the window
     [first - recent + 1, last]; everything between is skipped (its pages may be freed).
     FRESH: the keys come from the step's K/V (`chunk_kv`), not the page groups.
+    PREFETCH: one loop over the sink tiles, then the window's, that loads tile j + 1 into registers before it
+    attends tile j, so the loads' latency runs under the tile's dots (the same tiles in the same order).
     """
     offs_n = tl.arange(0, BLOCK_N)
     sink_end = tl.minimum(sink, last + 1)
-    for start in range(0, sink_end, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < sink_end
+    if PREFETCH:
+        window_start = tl.maximum(sink, first - recent + 1)
+        sink_tiles = tl.cdiv(sink_end, BLOCK_N)
+        num_tiles = sink_tiles + tl.cdiv(tl.maximum(last + 1 - window_start, 0), BLOCK_N)
+        # tile j: a sink tile (keys below sink_end, any distance back) or a window tile (keys up to last, at most
+        # recent - 1 back; a sink tile's reach, last + 1, bounds nothing)
+        in_sink = sink_tiles > 0
+        pos = tl.where(in_sink, 0, window_start) + offs_n
+        valid = pos < tl.where(num_tiles > 0, tl.where(in_sink, sink_end, last + 1), 0)
         k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
                                  stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt,
                                  stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
-    for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
-        pos = start + offs_n
-        valid = pos <= last
-        k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                                 stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt,
-                                 stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
-        m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
+        for j in range(0, num_tiles):
+            tile_k, tile_v, tile_pos, tile_valid = k, v, pos, valid
+            reach = tl.where(in_sink, last + 1, recent)
+            in_sink = j + 1 < sink_tiles
+            pos = tl.where(in_sink, (j + 1) * BLOCK_N, window_start + (j + 1 - sink_tiles) * BLOCK_N) + offs_n
+            valid = pos < tl.where(j + 1 < num_tiles, tl.where(in_sink, sink_end, last + 1), 0)
+            k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
+                                     page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
+                                     value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
+            visible = (tile_valid[None, :] & (tile_pos[None, :] <= q_pos[:, None])
+                       & (tile_pos[None, :] > q_pos[:, None] - reach))
+            m_i, l_i, acc = softmax_tile(q, tile_k, tile_v, visible, m_i, l_i, acc, qk_scale, True)
+    else:
+        for start in range(0, sink_end, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < sink_end
+            k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
+                                     page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
+                                     value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
+        for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
+            pos = start + offs_n
+            valid = pos <= last
+            k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
+                                     page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
+                                     value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
+            m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
 
 
@@ -172,7 +199,8 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
                     stride_vh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-                    FP16: tl.constexpr, STREAMING_ONLY: tl.constexpr, FRESH_KV: tl.constexpr):
+                    FP16: tl.constexpr, STREAMING_ONLY: tl.constexpr, FRESH_KV: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones.
 
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, the output the v scale.
@@ -224,25 +252,27 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
                                         recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
                                         key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh,
                                         value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh,
-                                        stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True)
+                                        stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True,
+                                        PREFETCH)
     else:
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
                                         head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
                                         recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
                                         key_ptr, value_ptr, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                        BLOCK_SIZE, False)
+                                        BLOCK_SIZE, False, PREFETCH)
     out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _prefill_config(head_dim: int, device: torch.device) -> dict:
-    """Tile shapes: tensor-core sized on GPU; small on the CPU interpreter so tests cross many tiles."""
+    """Tile shapes: tensor-core sized on GPU; small on the CPU interpreter so tests cross many tiles. PREFETCH: the
+    streaming heads' tiles loaded one ahead (`streaming_tiles`)."""
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=False)
     if head_dim > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1, PREFETCH=False)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, PREFETCH=False)
 
 
 def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
