@@ -515,7 +515,6 @@ def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
     return (result, lse) if return_softmax_lse else result
 
 
-
 @pytest.mark.parametrize("name", ["prefill_only", "chunked_mixed", "pooled_streaming"])
 def test_served_prefill_with_a_flash_stand_in(name, monkeypatch):
     """A multi-token step as gpu_attention.py serves it, on the CPU with a torch stand-in for FlashAttention-3 (float32
@@ -540,6 +539,7 @@ def test_served_prefill_with_a_flash_stand_in(name, monkeypatch):
     assert_caches_equal((cache, stream), written_caches(case))
     (call,) = calls
     assert call["streaming_only"] and call["fresh_kv"][0] is case.key and call["fresh_kv"][1] is case.value
+
 
 # decode batches with two rows or more past a block: GQA 3, a mixed batch, 32-token pages of 3 slots, head_dim 80
 FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],

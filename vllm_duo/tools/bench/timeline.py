@@ -71,24 +71,49 @@ def gpu_timeline(events: list[dict], window: tuple[float, float], top: int = 10,
 def _idle_by_launch(events: list[dict], host: list[dict], gaps: list[tuple[float, float]],
                     after_gap: list[dict]) -> dict[str, dict]:
     """Idle ms and gap count by the launch of the device work after each gap: the innermost two host ops around the
-    launch call ("outer > inner"), or `QUEUED` where the launch came before the gap began."""
+    launch call ("outer > inner", `_launchers`), or `QUEUED` where the launch came before the gap began."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    by_launch: dict[str, dict] = {}
+    charged, late = [], []  # (key, idle us); (launch call, idle us) of the gaps the host was late for
     for (lo, hi), work in zip(gaps, after_gap):
         launch = launches.get(work.get("args", {}).get("correlation"))
         if launch is None:
-            key = "(launch not in the trace)"
+            charged.append(("(launch not in the trace)", hi - lo))
         elif launch["ts"] <= lo:
-            key = QUEUED
+            charged.append((QUEUED, hi - lo))
         else:
-            around = sorted((e for e in host if e.get("tid") == launch.get("tid")
-                             and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
-            key = " > ".join(e["name"][:60] for e in reversed(around[:2])) or launch["name"]
+            late.append((launch, hi - lo))
+    charged += zip(_launchers(host, [launch for launch, _ in late]), (idle for _, idle in late))
+    by_launch: dict[str, dict] = {}
+    for key, idle in charged:
         entry = by_launch.setdefault(key, {"ms": 0.0, "gaps": 0})
-        entry["ms"] += (hi - lo) / 1e3
+        entry["ms"] += idle / 1e3
         entry["gaps"] += 1
     return by_launch
+
+
+def _launchers(host: list[dict], launches: list[dict]) -> list[str]:
+    """Per launch call, the two shortest host ops of its thread open at its time ("outer > inner"; the call's own
+    name where none is). One sweep per thread over its ops by start time, keeping those still open: a burst's trace
+    has ~1e5 ops and as many gaps."""
+    ops_by_thread: dict[object, list[dict]] = {}
+    for op in host:
+        ops_by_thread.setdefault(op.get("tid"), []).append(op)
+    names = [""] * len(launches)
+    for tid in {launch.get("tid") for launch in launches}:
+        ops = sorted(ops_by_thread.get(tid, []), key=lambda op: (op["ts"], -op["dur"]))
+        calls = sorted((i for i, launch in enumerate(launches) if launch.get("tid") == tid),
+                       key=lambda i: launches[i]["ts"])
+        open_ops, next_op = [], 0
+        for i in calls:
+            t = launches[i]["ts"]
+            while next_op < len(ops) and ops[next_op]["ts"] <= t:
+                open_ops.append(ops[next_op])
+                next_op += 1
+            open_ops = [op for op in open_ops if op["ts"] + op["dur"] >= t]
+            around = sorted(open_ops, key=lambda op: op["dur"])[:2]
+            names[i] = " > ".join(op["name"][:60] for op in reversed(around)) or launches[i]["name"]
+    return names
 
 
 def _overlap(event: dict, lo: float, hi: float) -> float:
