@@ -20,6 +20,7 @@ from vllm_duo.tools import cli
 from vllm_duo.tools.bench import logs, offline, roofline, workloads
 from vllm_duo.tools.bench import report as bench_report
 from vllm_duo.tools.bench.settings import Settings
+from vllm_duo.tools.processes import run_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 14336,
@@ -420,6 +421,19 @@ def test_sigterm_stops_the_run_in_flight(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(run_pid, 0)
 
+
+
+def test_a_settled_run_that_hangs_is_stopped_not_timed_out(tmp_path):
+    """vLLM 0.32's teardown after a failed startup can hang on the CPU stack: a ceiling run whose log already holds
+    vLLM's estimate is stopped after the exit grace and counts (not a timeout); one that never settles times out."""
+    hang = "import time; print('the estimated maximum model length is 4096.', flush=True); time.sleep(120)"
+    start = time.monotonic()
+    code, timed_out = run_logged([sys.executable, "-c", hang], tmp_path / "settled.log", timeout=60,
+                                 settled=logs.estimated_ceiling, exit_grace=1)
+    assert (code, timed_out) == (None, False) and time.monotonic() - start < 30
+    quiet = "import time; print('still loading', flush=True); time.sleep(120)"
+    assert run_logged([sys.executable, "-c", quiet], tmp_path / "quiet.log", timeout=3,
+                      settled=logs.estimated_ceiling, exit_grace=1) == (None, True)
 
 def _run(workload, backend, phase="main", **fields):
     spec = workloads.WORKLOADS[workload]

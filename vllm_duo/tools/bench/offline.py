@@ -57,12 +57,12 @@ def run_offline(results: Results, workload: Workload, variant: Variant, phase: s
     record = results.new_record(workload, variant, phase, shell_line(cmd, env),
                                 log=str(log_path.relative_to(out)), started_at=now())
     start = time.monotonic()
-    code, timed_out = run_logged(cmd, log_path, settings.timeout, env)
+    estimate = estimated_ceiling if workload.kind == "ceiling" else None
+    code, timed_out = run_logged(cmd, log_path, settings.timeout, env, settled=estimate)
     record["wall_s"] = round(time.monotonic() - start, 1)
     record["finished_at"] = now()
     metrics_of = {"throughput": lambda raw, log: throughput_metrics(raw, log, workload),
                   "latency": lambda raw, log: latency_metrics(raw),
                   "ceiling": lambda raw, log: started_ceiling(workload)}[workload.kind]
-    failure_metrics = estimated_ceiling if workload.kind == "ceiling" else (lambda log: None)
     results.add(results.finish(record, log_path, code, timed_out, read_json(json_path), metrics_of,
-                               failure_metrics), progress)
+                               estimate or (lambda log: None)), progress)
