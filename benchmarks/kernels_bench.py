@@ -20,9 +20,10 @@ path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
 
 mixed (`--mixed`, issue 22): one layer over the mixed batches vLLM runs eagerly between piecewise CUDA graphs
 (prefill bursts of 1k and 4k prompts, decodes beside a chunk), duo against dense's cache write + FA3: device time,
-the host time to issue a call, cProfile's split of it, and the streaming heads' prefill as served (fresh prompts' keys
-from the step's K/V), with every key from the page groups, and over several tile shapes, among them the loop that
-loads each key tile one ahead (PREFETCH). q, k and v are views of one fused qkv, as vLLM passes them.
+the host time to issue a call, cProfile's split of it, the layer with the streaming heads' windows in Triton too, and
+the streaming heads' prefill: as served (FA3 over fresh prompts' windows, then the Triton prefill's sinks), all in
+Triton from the step's K/V, with every key from the page groups, and over several tile shapes, among them the loop
+that loads each key tile one ahead (PREFETCH). q, k and v are views of one fused qkv, as vLLM passes them.
 Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
 streaming heads in one program each as before they were split.
 
@@ -534,7 +535,7 @@ def bench_mixed(fa, rows, out_json):
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import get_scheduler_metadata
     from vllm_duo.kernels import prefill as prefill_module
-    from vllm_duo.gpu_attention import retrieval_flash_attention
+    from vllm_duo.gpu_attention import retrieval_flash_attention, streaming_windows_flash
 
     results = []
     for name, batch in MIXED_CASES:
@@ -564,9 +565,10 @@ def bench_mixed(fa, rows, out_json):
         # count and reused by the others (the common case, timed as "duo layer"); made on every call: a row below
         schedules = {}
 
-        def duo_layer(make_schedule=False):
+        def duo_layer(make_schedule=False, windows=True):
             duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
-                                 retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules)
+                              retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules,
+                              flash_windows=windows)
 
         dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
         if fa.version == 3:
@@ -586,19 +588,28 @@ def bench_mixed(fa, rows, out_json):
         for side, fn in (("duo", duo_layer), ("dense", dense_layer)):
             res[f"{side}_device_ms"] = device_ms(fn)
             res[f"{side}_host_us"] = host_us(fn)
-        if max_q > 1:
+        if max_q > 1:  # the streaming heads' windows in the Triton prefill too, as before FlashAttention took them
+            res["duo_triton_windows_device_ms"] = device_ms(lambda: duo_layer(windows=False))
+            res["duo_triton_windows_host_us"] = host_us(lambda: duo_layer(windows=False))
+            rows.append((f"mixed {T}", f"{name}: duo layer, windows by Triton, device (host us/call "
+                         f"{res['duo_triton_windows_host_us']:.0f})", res["duo_triton_windows_device_ms"],
+                         float("nan")))
             res["duo_host_us_making_the_schedule"] = host_us(lambda: duo_layer(make_schedule=True))
             rows.append((f"mixed {T}", f"{name}: duo layer making FA3's schedule, host us/call "
                          f"{res['duo_host_us_making_the_schedule']:.0f}", float("nan"), float("nan")))
 
-        def streaming(into, fresh_kv=(key, value)):  # as served: fresh prompts' keys from the step's K/V
+        def streaming(into, fresh_kv=(key, value), windows=False):  # fresh prompts' keys from the step's K/V
+            lse = streaming_windows_flash(fa, query, key, value, heads, qsl, max_q, SCALE, into) if windows else None
             prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, into, streaming_only=True,
-                              fresh_kv=fresh_kv)
+                              fresh_kv=fresh_kv, window_lse=lse)
 
         res["duo_write_kv_ms"] = device_ms(lambda: cache_write.write_kv(key, value, duo.cache, heads, qsl, sl,
                                                                         duo.table))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
-        if max_q > 1:  # every key from the page groups, as before fresh prompts read the step's K/V
+        if max_q > 1:  # as served: FA3's windows, then the Triton prefill's sinks (and the cached requests)
+            res["duo_streaming_windows_by_fa3_ms"] = device_ms(lambda: streaming(out, windows=True))
+            rows.append((f"mixed {T}", f"{name}: duo streaming heads, FA3 windows + Triton sinks",
+                         res["duo_streaming_windows_by_fa3_ms"], float("nan")))
             res["duo_streaming_prefill_paged_ms"] = device_ms(lambda: streaming(out, fresh_kv=None))
             rows.append((f"mixed {T}", f"{name}: duo streaming_prefill, all keys from the page groups",
                          res["duo_streaming_prefill_paged_ms"], float("nan")))
@@ -802,7 +813,7 @@ def bench_long_decode(fa, rows, out_json):
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import get_scheduler_metadata
     from vllm_duo import gpu_attention, vllm_seam
-    from vllm_duo.gpu_attention import retrieval_flash_attention
+    from vllm_duo.gpu_attention import retrieval_flash_attention, streaming_windows_flash
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.pattern import resolve_pattern
 

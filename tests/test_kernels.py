@@ -71,6 +71,9 @@ GPU_PRESETS = {
                           head_dim=128, sink=64, recent=256),
     "mha_64": Preset(16, 16, tuple(range(0, 16, 3)), ((0, 700), (1200, 1), (400, 130)), head_dim=64,
                      sink=16, recent=128),
+    # retrieval heads first (reordered weights): FlashAttention-3 takes the fresh prompts' streaming windows
+    "llama_fresh": Preset(32, 8, (0, 1, 2, 3), ((0, 1000), (3000, 1), (0, 300), (700, 513), (0, 257), (0, 90)),
+                          head_dim=128, sink=64, recent=256),
 }
 
 
