@@ -534,17 +534,20 @@ SERVED_PREFILL = {name: PRESETS[name] for name in ("prefill_only", "chunked_mixe
 SERVED_PREFILL["fresh_windows"] = Preset(12, 4, (0, 1), ((0, 40), (20, 1), (0, 7), (33, 45), (0, 70), (0, 17)))
 
 
-@pytest.mark.parametrize("windows", [True, False])
+@pytest.mark.parametrize("windows", ["on", "off", "step too small"])
 @pytest.mark.parametrize("name", list(SERVED_PREFILL))
 def test_served_prefill_with_a_flash_stand_in(name, windows, monkeypatch):
     """A multi-token step as gpu_attention.py serves it, on the CPU with a torch stand-in for FlashAttention-3 (float32
     let through): the retrieval heads by the stand-in, the streaming heads by the Triton prefill, given the step's K/V
-    for fresh prompts and, where the retrieval heads come first, the stand-in's windows of them (the call
-    `prefill_attention` gets is spied on); the reference's output, the cache as written."""
+    for fresh prompts and, where the retrieval heads come first and the step has FLASH_WINDOWS_MIN_TOKENS (here 0),
+    the stand-in's windows of them (the call `prefill_attention` gets is spied on); the reference's output, the cache
+    as written."""
     from vllm_duo import gpu_attention, vllm_seam
     from vllm_duo.kernels import attention
 
     monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
+    if windows != "step too small":
+        monkeypatch.setattr(gpu_attention, "FLASH_WINDOWS_MIN_TOKENS", 0)
     monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.float32, torch.float32)})
     calls, prefill = [], attention.prefill_attention
     monkeypatch.setattr(attention, "prefill_attention", lambda *a, **kw: calls.append(kw) or prefill(*a, **kw))
@@ -555,12 +558,12 @@ def test_served_prefill_with_a_flash_stand_in(name, windows, monkeypatch):
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
     gpu_attention.duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl,
                                     case.block_table, case.scale, out, max(lens), max(case.seq_lens),
-                                    stream_cache=stream, flash_windows=windows)
+                                    stream_cache=stream, flash_windows=windows != "off")
     assert_close(out, ref, torch.float32)
     assert_caches_equal((cache, stream), written_caches(case))
     (call,) = calls
     assert call["streaming_only"] and call["fresh_kv"][0] is case.key and call["fresh_kv"][1] is case.value
-    assert (call["window_lse"] is not None) == (windows and case.heads.retrieval_first)
+    assert (call["window_lse"] is not None) == (windows == "on" and case.heads.retrieval_first)
 
 
 # decode batches with two rows or more past a block: GQA 3, a mixed batch, 32-token pages of 3 slots, head_dim 80

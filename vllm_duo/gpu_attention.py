@@ -74,8 +74,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
     if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
         write()
-    windows = (flash_windows and by_flash and max_query_len > 1 and heads.num_streaming > 0 and heads.retrieval_first
-               and key.dtype == stream_cache.dtype)
+    windows = (flash_windows and by_flash and query.shape[0] >= FLASH_WINDOWS_MIN_TOKENS and heads.num_streaming > 0
+               and heads.retrieval_first and key.dtype == stream_cache.dtype)
 
     def streaming() -> None:
         window_lse = (streaming_windows_flash(flash, query, key, value, heads, query_start_loc, max_query_len, scale,
@@ -198,6 +198,11 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
+# Steps of fewer tokens leave the streaming heads' windows to the Triton prefill: FlashAttention's call costs 55-90 us
+# of host time a layer (H100, 2026-11-25-h100-host), and a step of a few hundred tokens on an 8B model is already
+# bound by the host's launches (duo's layer 0.34 ms to issue, 0.08 ms on the GPU, at 31 decodes + 256 new tokens);
+# from about 1k tokens a layer's GEMMs alone outlast the launches.
+FLASH_WINDOWS_MIN_TOKENS = 1024
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32
