@@ -142,22 +142,28 @@ def blocks_held(num_tokens: int, streaming_blocks: int, sink: int, recent: int, 
     return cdiv(num_tokens, block_size) + streaming_blocks * groups
 
 
+KEPT, RETAINED = 2, 1  # a token block's role in `_Windows.roles` (0: its group is freed uncached)
+
+
 @dataclass
 class _Windows:
     """Which streaming page groups one request keeps when its queries slide past them (module docstring)."""
 
-    kept: list[range] = field(default_factory=list)  # held to the end
-    retained: list[range] = field(default_factory=list)  # freed cached, queued again at the end
+    roles: bytearray = field(default_factory=bytearray)  # per token block: KEPT (held to the end), RETAINED (freed
+    # cached, queued again at the end) or 0; kept wins where windows overlap; blocks past its end are 0
     retained_freed: list[tuple[int, KVCacheBlock, object]] = field(default_factory=list)  # (column, block, hash)
     freed_up_to: int = 0  # token blocks below this are kept or freed
     planned: bool = False  # the prompt's windows are known (at its first cache_blocks)
     requeue: bool = False  # queue the retained groups again with the pages at the end (prefixes are shared)
 
-    def keeps(self, token_block: int) -> bool:
-        return any(token_block in window for window in self.kept)
+    def mark(self, window: range, role: int) -> None:
+        """Give the token blocks of `window` `role`, unless they have a stronger one."""
+        if len(self.roles) < window.stop:
+            self.roles.extend(bytes(window.stop - len(self.roles)))
+        self.roles[window.start:window.stop] = bytes(max(r, role) for r in self.roles[window.start:window.stop])
 
-    def retains(self, token_block: int) -> bool:
-        return any(token_block in window for window in self.retained)
+    def role(self, token_block: int) -> int:
+        return self.roles[token_block] if token_block < len(self.roles) else 0
 
 
 class DuoKVCacheManager(SingleTypeKVCacheManager):
@@ -194,14 +200,15 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         each is freed once the window moves on. `prefill_end` (vLLM 0.31+) is for Mamba's prefill checkpoints.
         """
         token_blocks = cdiv(num_tokens, self.block_size)
-        held = [*self.req_to_blocks.get(request_id, ()), *new_computed_blocks]
+        held = self.req_to_blocks.get(request_id, ())
         if apply_admission_cap:  # blocks, not columns: a hit's null columns need none
             hit = len(new_computed_blocks) > self.sink_blocks * self.stride
             kept = KEPT_WINDOWS if self.enable_caching and (hit or self._sharing()) else 0
             groups = streaming_groups_held(num_tokens, self.kv_cache_spec.sink, self.recent, self.block_size, kept)
-            missing = token_blocks + (self.stride - 1) * groups - sum(not b.is_null for b in held)
+            missing = (token_blocks + (self.stride - 1) * groups
+                       - sum(not b.is_null for b in itertools.chain(held, new_computed_blocks)))
         else:  # columns: allocate_new_blocks fills every one past the held ones
-            missing = token_blocks * self.stride - len(held)
+            missing = token_blocks * self.stride - len(held) - len(new_computed_blocks)
         return max(missing, 0) + self._get_num_evictable_blocks(new_computed_blocks)
 
     def add_local_computed_blocks(self, request_id, new_computed_blocks, num_local_computed_tokens,
@@ -213,7 +220,7 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         windows = self._windows.setdefault(request_id, _Windows())
         windows.freed_up_to = self._window(hit_blocks).start
         if hit_blocks > self.sink_blocks:
-            windows.kept.append(self._window(hit_blocks))
+            windows.mark(self._window(hit_blocks), KEPT)
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         """A page and a streaming page group for every new token block: a step stores all its tokens' K/V."""
@@ -238,13 +245,14 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         start = max(windows.freed_up_to, self.sink_blocks)
         freed, useless = [], set()
         for t in range(start, end):
-            if windows.keeps(t):
+            role = windows.role(t)
+            if role == KEPT:
                 continue
             for column in range(t * self.stride + 1, (t + 1) * self.stride):
                 block = blocks[column]
                 if block.is_null:
                     continue
-                if windows.retains(t):
+                if role == RETAINED:
                     windows.retained_freed.append((column, block, block.block_hash))
                 elif block.ref_cnt == 1:
                     useless.add(block.block_id)
@@ -290,7 +298,7 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         while shared < prompt_blocks and self.block_pool.get_cached_block(hashes[shared], [self.kv_cache_group_id]):
             shared += 1
         if shared > hit_blocks:
-            windows.kept.append(self._window(shared))
+            windows.mark(self._window(shared), KEPT)
         shares = self._window(shared).start > self.sink_blocks  # a shared prefix longer than the sink and a window
         self._recent_prompts.append(request.num_prompt_tokens - shared * self.block_size if shares else None)
         windows.requeue = self._sharing()
@@ -299,9 +307,9 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
             end = prompt_blocks - (2 ** level * self.recent) // self.block_size
             if end <= max(hit_blocks, self.sink_blocks) or self.recent == 0:
                 break
-            (windows.kept if level == kept_level else windows.retained).append(self._window(end))
+            windows.mark(self._window(end), KEPT if level == kept_level else RETAINED)
             if level == 1:  # and every group from there to the prompt's end
-                windows.retained.append(range(self._window(end).start, prompt_blocks))
+                windows.mark(range(self._window(end).start, prompt_blocks), RETAINED)
 
     def _sharing(self) -> bool:
         """Whether any recent prompt shared a prefix longer than the sink and a window with an earlier one."""
