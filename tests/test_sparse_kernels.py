@@ -566,6 +566,25 @@ def test_served_prefill_with_a_flash_stand_in(name, windows, monkeypatch):
     assert (call["window_lse"] is not None) == (windows == "on" and case.heads.retrieval_first)
 
 
+
+def test_decode_steps_leave_the_windows_to_the_decode_kernel(monkeypatch):
+    """A decode step where FlashAttention takes the retrieval heads (here: the squeeze's window lengths given) never
+    calls the window kernel, however many rows it has: decode.py attends the streaming heads."""
+    from vllm_duo import gpu_attention, vllm_seam
+
+    monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
+    monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.float32, torch.float32)})
+    monkeypatch.setattr(gpu_attention, "FLASH_WINDOWS_MIN_TOKENS", 0)
+    monkeypatch.setattr(gpu_attention, "streaming_windows_flash", lambda *a, **kw: pytest.fail("window kernel called"))
+    case = make_case(Preset(12, 4, (0, 1), ((37, 1), (5, 1), (100, 1), (20, 1))))
+    ref, _ = case.reference()
+    cache, stream = case.fresh_caches()
+    out = case.poisoned_output()
+    gpu_attention.duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl,
+                                    case.block_table, case.scale, out, 1, max(case.seq_lens), stream_cache=stream,
+                                    retrieval_seq_lens=case.sl)
+    assert_close(out, ref, torch.float32)
+
 # decode batches with two rows or more past a block: GQA 3, a mixed batch, 32-token pages of 3 slots, head_dim 80
 FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],
                 "mixed": Preset(8, 4, (1, 3), ((50, 30), (40, 1), (3, 17), (70, 1), (33, 45), (20, 1))),

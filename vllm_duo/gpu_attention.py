@@ -74,8 +74,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
     if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
         write()
-    windows = (flash_windows and by_flash and query.shape[0] >= FLASH_WINDOWS_MIN_TOKENS and heads.num_streaming > 0
-               and heads.retrieval_first and key.dtype == stream_cache.dtype)
+    windows = (flash_windows and by_flash and max_query_len > 1 and query.shape[0] >= FLASH_WINDOWS_MIN_TOKENS
+               and heads.num_streaming > 0 and heads.retrieval_first and key.dtype == stream_cache.dtype)
 
     def streaming() -> None:
         window_lse = (streaming_windows_flash(flash, query, key, value, heads, query_start_loc, max_query_len, scale,
