@@ -605,6 +605,18 @@ def bench_mixed(fa, rows, out_json):
 
         res["duo_write_kv_ms"] = device_ms(lambda: cache_write.write_kv(key, value, duo.cache, heads, qsl, sl,
                                                                         duo.table))
+        # each launch's host time alone (checks skipped, as duo_attention_gpu's checked calls): what fusing the
+        # K/V store into the streaming prefill, or leaving out FA3's window call, would save a layer
+        res["launch_host_us"] = {"write_kv": host_us(lambda: cache_write.write_kv(
+            key, value, duo.cache, heads, qsl, sl, duo.table, checked=True))}
+        if max_q > 1:
+            res["launch_host_us"]["streaming prefill"] = host_us(lambda: prefill_attention(
+                query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
+                fresh_kv=(key, value)))
+            res["launch_host_us"]["FA3 window"] = host_us(lambda: streaming_windows_flash(
+                fa, query, key, value, heads, qsl, max_q, SCALE, out))
+        rows.append((f"mixed {T}", f"{name}: host us/launch " + ", ".join(
+            f"{label} {us:.0f}" for label, us in res["launch_host_us"].items()), float("nan"), float("nan")))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         if max_q > 1:  # as served: FA3's windows, then the Triton prefill's sinks (and the cached requests)
             res["duo_streaming_windows_by_fa3_ms"] = device_ms(lambda: streaming(out, windows=True))
