@@ -6,8 +6,9 @@ FlashAttention-3 (Hopper, vLLM's build) takes the retrieval heads of every prefi
 which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8). In a multi-token step it also takes
 the streaming heads' sliding windows of fresh prompts from the step's K/V (its window kernel took 0.07 ms a layer
 where our prefill took 0.15-0.17 at 8k-token bursts, benchmarks/results/2026-11-25-h100-host), the Triton prefill
-adding the sinks left of them. Triton keeps the rest of the Λ-masked streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads, then the streaming heads, measured
-35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
+adding the sinks left of them. Triton keeps the rest of the Λ-masked streaming heads, and bf16 decode whole:
+FlashAttention on the retrieval heads, then the streaming heads, measured 35 us per layer at 4 x 1k, the one Triton
+launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
 FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
 Where the squeeze is on, FlashAttention also reads the keys it selects and the window's newest, as pages of one cache
 row, merged with its window pass over the rest of the window (`selected_rows_attention`), which runs beside the

@@ -83,7 +83,8 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict[str, st
                settled=None, exit_grace: float = 20) -> tuple[int | None, bool]:
     """Runs `cmd` (`env` added to this environment) with stdout and stderr into `log_path`; returns (exit code or
     None, timed out). A run whose log `settled` finds its result in is given `exit_grace` seconds to exit, then
-    stopped (not timed out): vLLM's teardown after a failed startup can hang, and its check has said what it measures."""
+    stopped (not timed out): vLLM's teardown after a failed startup can hang, and its check has said what it
+    measures."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
     with open(log_path, "w") as log:
