@@ -30,6 +30,7 @@ from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_for
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
 
 
 @triton.jit
@@ -209,7 +210,7 @@ def sinks_left_of_window(q, m_i, l_i, acc, q_pos, last, sink, recent, key_row0, 
 def merged_with_window(m_i, l_i, acc, window, window_lse):
     """Softmax over the sinks (`m_i`, `l_i`, `acc` in base 2) and a window attended elsewhere: its normalized output
     `window` `[M, D]` and natural log-sum-exp `window_lse` `[M]`. Rows with no sink visible get `window`."""
-    lse = window_lse * 1.4426950408889634
+    lse = window_lse * _LOG2E
     m = tl.maximum(m_i, lse)
     sink_weight = tl.exp2(m_i - m)  # 0 where no sink is visible (m_i = -inf)
     window_weight = tl.exp2(lse - m)

@@ -8,8 +8,8 @@ the streaming heads' sliding windows of fresh prompts from the step's K/V (its w
 where our prefill took 0.15-0.17 at 8k-token bursts, benchmarks/results/2026-11-25-h100-host), the Triton prefill
 adding the sinks left of them. Triton keeps the rest of the Λ-masked streaming heads, and bf16 decode whole:
 FlashAttention on the retrieval heads, then the streaming heads, measured 35 us per layer at 4 x 1k, the one Triton
-launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
-FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
+launch about 32 (benchmarks/results/2026-11-25-h100-host). Where FlashAttention decodes the retrieval heads, the
+streaming heads' Triton decode runs beside it on a second stream.
 Where the squeeze is on, FlashAttention also reads the keys it selects and the window's newest, as pages of one cache
 row, merged with its window pass over the rest of the window (`selected_rows_attention`), which runs beside the
 lookup.
