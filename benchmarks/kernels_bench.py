@@ -20,10 +20,9 @@ path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
 
 mixed (`--mixed`, issue 22): one layer over the mixed batches vLLM runs eagerly between piecewise CUDA graphs
 (prefill bursts of 1k and 4k prompts, decodes beside a chunk), duo against dense's cache write + FA3: device time,
-the host time to issue a call, cProfile's split of it, the layer with the streaming heads' windows in Triton too, and
-the streaming heads' prefill: as served (FA3 over fresh prompts' windows, then the Triton prefill's sinks), all in
-Triton from the step's K/V, with every key from the page groups, and over several tile shapes, among them the loop
-that loads each key tile one ahead (PREFETCH). q, k and v are views of one fused qkv, as vLLM passes them.
+the host time to issue a call, cProfile's split of it, and the streaming heads' prefill as served (fresh prompts' keys
+from the step's K/V), with every key from the page groups, and over several tile shapes. q, k and v are views of one fused qkv, as vLLM
+passes them.
 Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
 streaming heads in one program each as before they were split.
 
@@ -485,22 +484,17 @@ MIXED_CASES = (("decode 4 x 1k (a CUDA graph when served)", [(1024, 1)] * 4),
 SERVED_MAX_MODEL_LEN = 99000  # tpot_sweep's and short_itl's server
 DECODE_MIN_SPLITS = (64, 128, 256)  # kernels/decode.py's shortest split: MIN_SPLIT_TOKENS and shorter ones
 # Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config; the first is its H100
-# choice for head_dim 128); PREFETCH: one loop that loads the next key tile before attending the current one.
-_TILES = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
-          dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2),
-          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1),  # 2 stages need 288 KB of shared memory
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
-          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-          dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2),
-          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=1))
-_PREFETCHED = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
-               dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=1),
-               dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=1),
-               dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1))
-PREFILL_CONFIGS = (tuple(dict(c, PREFETCH=False) for c in _TILES) + tuple(dict(c, PREFETCH=True) for c in _PREFETCHED))
+# choice for head_dim 128).
+PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2),
+                   dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1),  # 2 stages need 288 KB of shared memory
+                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                   dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1),
+                   dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                   dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2),
+                   dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=1))
 
 
 def bench_decode_splits(query, duo: DuoLayout, qsl, sl, out, name: str, T: int, rows) -> list[dict]:
@@ -535,7 +529,7 @@ def bench_mixed(fa, rows, out_json):
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import get_scheduler_metadata
     from vllm_duo.kernels import prefill as prefill_module
-    from vllm_duo.gpu_attention import retrieval_flash_attention, streaming_windows_flash
+    from vllm_duo.gpu_attention import retrieval_flash_attention
 
     results = []
     for name, batch in MIXED_CASES:
@@ -565,10 +559,9 @@ def bench_mixed(fa, rows, out_json):
         # count and reused by the others (the common case, timed as "duo layer"); made on every call: a row below
         schedules = {}
 
-        def duo_layer(make_schedule=False, windows=True):
+        def duo_layer(make_schedule=False):
             duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
-                              retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules,
-                              flash_windows=windows)
+                                 retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules)
 
         dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
         if fa.version == 3:
@@ -588,40 +581,29 @@ def bench_mixed(fa, rows, out_json):
         for side, fn in (("duo", duo_layer), ("dense", dense_layer)):
             res[f"{side}_device_ms"] = device_ms(fn)
             res[f"{side}_host_us"] = host_us(fn)
-        if max_q > 1:  # the streaming heads' windows in the Triton prefill too, as before FlashAttention took them
-            res["duo_triton_windows_device_ms"] = device_ms(lambda: duo_layer(windows=False))
-            res["duo_triton_windows_host_us"] = host_us(lambda: duo_layer(windows=False))
-            rows.append((f"mixed {T}", f"{name}: duo layer, windows by Triton, device (host us/call "
-                         f"{res['duo_triton_windows_host_us']:.0f})", res["duo_triton_windows_device_ms"],
-                         float("nan")))
+        if max_q > 1:
             res["duo_host_us_making_the_schedule"] = host_us(lambda: duo_layer(make_schedule=True))
             rows.append((f"mixed {T}", f"{name}: duo layer making FA3's schedule, host us/call "
                          f"{res['duo_host_us_making_the_schedule']:.0f}", float("nan"), float("nan")))
 
-        def streaming(into, fresh_kv=(key, value), windows=False):  # fresh prompts' keys from the step's K/V
-            lse = streaming_windows_flash(fa, query, key, value, heads, qsl, max_q, SCALE, into) if windows else None
+        def streaming(into, fresh_kv=(key, value)):  # as served: fresh prompts' keys from the step's K/V
             prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, into, streaming_only=True,
-                              fresh_kv=fresh_kv, window_lse=lse)
+                              fresh_kv=fresh_kv)
 
         res["duo_write_kv_ms"] = device_ms(lambda: cache_write.write_kv(key, value, duo.cache, heads, qsl, sl,
                                                                         duo.table))
         # each launch's host time alone (checks skipped, as duo_attention_gpu's checked calls): what fusing the
-        # K/V store into the streaming prefill, or leaving out FA3's window call, would save a layer
+        # K/V store into the streaming prefill would save a layer
         res["launch_host_us"] = {"write_kv": host_us(lambda: cache_write.write_kv(
             key, value, duo.cache, heads, qsl, sl, duo.table, checked=True))}
         if max_q > 1:
             res["launch_host_us"]["streaming prefill"] = host_us(lambda: prefill_attention(
                 query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
                 fresh_kv=(key, value)))
-            res["launch_host_us"]["FA3 window"] = host_us(lambda: streaming_windows_flash(
-                fa, query, key, value, heads, qsl, max_q, SCALE, out))
         rows.append((f"mixed {T}", f"{name}: host us/launch " + ", ".join(
             f"{label} {us:.0f}" for label, us in res["launch_host_us"].items()), float("nan"), float("nan")))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
-        if max_q > 1:  # as served: FA3's windows, then the Triton prefill's sinks (and the cached requests)
-            res["duo_streaming_windows_by_fa3_ms"] = device_ms(lambda: streaming(out, windows=True))
-            rows.append((f"mixed {T}", f"{name}: duo streaming heads, FA3 windows + Triton sinks",
-                         res["duo_streaming_windows_by_fa3_ms"], float("nan")))
+        if max_q > 1:  # every key from the page groups, as before fresh prompts read the step's K/V
             res["duo_streaming_prefill_paged_ms"] = device_ms(lambda: streaming(out, fresh_kv=None))
             rows.append((f"mixed {T}", f"{name}: duo streaming_prefill, all keys from the page groups",
                          res["duo_streaming_prefill_paged_ms"], float("nan")))
@@ -629,9 +611,11 @@ def bench_mixed(fa, rows, out_json):
             fa, query, duo.cache, heads, qsl, sl, retrieval_table, SCALE, out, max_q, max_s,
             schedules=schedules if max_q > 1 else None))  # as duo_attention_gpu: none in decode (graphs)
         R = heads.num_retrieval
-        if seq_lens == new:  # prompts from scratch: FA3's window call alone, as served (no sinks: a bound)
-            res["fa3_streaming_window_ms"] = device_ms(lambda: streaming_windows_flash(
-                fa, query, key, value, heads, qsl, max_q, SCALE, out))
+        if seq_lens == new:  # prompts from scratch: how fast FA3 takes the streaming heads' window (no sinks)
+            res["fa3_streaming_window_ms"] = device_ms(lambda: fa(
+                query[:, R * heads.group_size:], key[:, R:], value[:, R:], max_seqlen_q=max_q, cu_seqlens_q=qsl,
+                max_seqlen_k=max_q, cu_seqlens_k=qsl, softmax_scale=SCALE, causal=True, window_size=(RECENT - 1, 0),
+                return_softmax_lse=True))
             rows.append((f"mixed {T}", f"{name}: FA3 window on the streaming heads (no sinks: a bound)",
                          res["fa3_streaming_window_ms"], float("nan")))
         if max_q > 1:  # FlashAttention's host time on the retrieval heads: as duo calls it, then one input at a time
@@ -823,7 +807,7 @@ def bench_long_decode(fa, rows, out_json):
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import get_scheduler_metadata
     from vllm_duo import gpu_attention, vllm_seam
-    from vllm_duo.gpu_attention import retrieval_flash_attention, streaming_windows_flash
+    from vllm_duo.gpu_attention import retrieval_flash_attention
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.pattern import resolve_pattern
 

@@ -11,12 +11,6 @@ A streaming program whose request has no cached tokens (a fresh prompt: every ke
 step) reads its keys from the step's own K/V instead (`fresh_kv`), which a cache of the model's dtype
 holds bit for bit: contiguous rows at an address it computes, where a page-group read first loads the
 block table and then the row it names, and a program's few tiles wait on that chain one by one.
-Where FlashAttention-3 has attended those prompts' windows (`window_lse`, gpu_attention.py), such a program
-attends only the sinks left of each row's window and merges them into FlashAttention's output:
-
-    row i (recent 4, sink 2):  keys 0 1 2 3 4 5 6 7 8 9
-                               s s . . . . w w w w      i = 9: sinks 0-1 here, window 6-9 by FlashAttention
-                               s w w w w                i = 4: sink 0 here (key 1 is in the window)
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_for
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
-_LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
 
 
 @triton.jit
@@ -136,92 +129,38 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
                     page_heads, stride, sink, recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
                     key_row0, value_row0, stride_kt, stride_vt,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr, PREFETCH: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr):
     """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
 
     Only two key ranges can be visible: the sinks [0, sink) and the window
     [first - recent + 1, last]; everything between is skipped (its pages may be freed).
     FRESH: the keys come from the step's K/V (`chunk_kv`), not the page groups.
-    PREFETCH: one loop over the sink tiles, then the window's, that loads tile j + 1 into registers before it
-    attends tile j, so the loads' latency runs under the tile's dots (the same tiles in the same order).
     """
     offs_n = tl.arange(0, BLOCK_N)
     sink_end = tl.minimum(sink, last + 1)
-    if PREFETCH:
-        window_start = tl.maximum(sink, first - recent + 1)
-        sink_tiles = tl.cdiv(sink_end, BLOCK_N)
-        num_tiles = sink_tiles + tl.cdiv(tl.maximum(last + 1 - window_start, 0), BLOCK_N)
-        # tile j: a sink tile (keys below sink_end, any distance back) or a window tile (keys up to last, at most
-        # recent - 1 back; a sink tile's reach, last + 1, bounds nothing)
-        in_sink = sink_tiles > 0
-        pos = tl.where(in_sink, 0, window_start) + offs_n
-        valid = pos < tl.where(num_tiles > 0, tl.where(in_sink, sink_end, last + 1), 0)
-        k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads,
-                                 stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt,
-                                 stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
-        for j in range(0, num_tiles):
-            tile_k, tile_v, tile_pos, tile_valid = k, v, pos, valid
-            reach = tl.where(in_sink, last + 1, recent)
-            in_sink = j + 1 < sink_tiles
-            pos = tl.where(in_sink, (j + 1) * BLOCK_N, window_start + (j + 1 - sink_tiles) * BLOCK_N) + offs_n
-            valid = pos < tl.where(j + 1 < num_tiles, tl.where(in_sink, sink_end, last + 1), 0)
-            k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
-                                     page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
-                                     value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
-            visible = (tile_valid[None, :] & (tile_pos[None, :] <= q_pos[:, None])
-                       & (tile_pos[None, :] > q_pos[:, None] - reach))
-            m_i, l_i, acc = softmax_tile(q, tile_k, tile_v, visible, m_i, l_i, acc, qk_scale, True)
-    else:
-        for start in range(0, sink_end, BLOCK_N):
-            pos = start + offs_n
-            valid = pos < sink_end
-            k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
-                                     page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
-                                     value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
-            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
-        for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
-            pos = start + offs_n
-            valid = pos <= last
-            k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
-                                     page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
-                                     value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
-            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
-            m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def sinks_left_of_window(q, m_i, l_i, acc, q_pos, last, sink, recent, key_row0, value_row0, stride_kt, stride_vt,
-                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Attend rows at positions `q_pos` (at most `last`) of a fresh prompt to the sinks below their windows,
-    k < sink and k <= q - recent, from the step's K/V (`chunk_kv`)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, tl.minimum(sink, last - recent + 1), BLOCK_N):
+    for start in range(0, sink_end, BLOCK_N):
         pos = start + offs_n
-        valid = pos < sink
-        k, v = chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None] - recent)
+        valid = pos < sink_end
+        k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
+                                 page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
+                                 value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
+    for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
+        pos = start + offs_n
+        valid = pos <= last
+        k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
+                                 page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
+                                 value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
-
-
-@triton.jit
-def merged_with_window(m_i, l_i, acc, window, window_lse):
-    """Softmax over the sinks (`m_i`, `l_i`, `acc` in base 2) and a window attended elsewhere: its normalized output
-    `window` `[M, D]` and natural log-sum-exp `window_lse` `[M]`. Rows with no sink visible get `window`."""
-    lse = window_lse * _LOG2E
-    m = tl.maximum(m_i, lse)
-    sink_weight = tl.exp2(m_i - m)  # 0 where no sink is visible (m_i = -inf)
-    window_weight = tl.exp2(lse - m)
-    return ((acc * sink_weight[:, None] + window * window_weight[:, None])
-            / (l_i * sink_weight + window_weight)[:, None])
 
 
 # Batch-dependent ints are not specialized: each new value class would compile a new kernel mid-serving.
 @triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "stride", "stream_offset",
                                "page_heads", "sink", "recent", "min_query_len", "head_offset"])
-def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_ptr, window_lse_ptr, retrieval_kv_ptr,
+def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_ptr, retrieval_kv_ptr,
                     streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
                     qk_scale,
                     num_reqs, num_tiles, num_retrieval, num_streaming, stride, stream_offset, page_heads,
@@ -230,18 +169,15 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
                     stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                     stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
                     stride_sh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64,
-                    stride_vh: tl.int64, stride_lse: tl.int64,
+                    stride_vh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-                    FP16: tl.constexpr, STREAMING_ONLY: tl.constexpr, FRESH_KV: tl.constexpr,
-                    FLASH_WINDOW: tl.constexpr, PREFETCH: tl.constexpr):
+                    FP16: tl.constexpr, STREAMING_ONLY: tl.constexpr, FRESH_KV: tl.constexpr):
     """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones.
 
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, the output the v scale.
     STREAMING_ONLY: no retrieval head in the grid (compiled without their path); FRESH_KV: `key_ptr`/`value_ptr`
     are the step's K/V as the cache holds them, read by the streaming heads of requests with nothing cached.
-    FLASH_WINDOW (with FRESH_KV): those heads' windows are in `out_ptr` already, their log-sum-exp at
-    `window_lse_ptr` `[streaming query heads, num_tokens]`; their programs add the sinks left of the windows.
     """
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a prompt have the most keys: start them first
     head = tl.program_id(1) + head_offset
@@ -254,9 +190,6 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
     num_cached = tl.load(seq_lens_ptr + req) - (q_end - q_start)
     first = num_cached + t0 - q_start
     last = num_cached + tl.minimum(t0 + BLOCK_Q, q_end) - 1 - q_start
-    if FLASH_WINDOW:
-        if (num_cached == 0) & (last < recent):  # every row's window reaches key 0: FlashAttention's output stands
-            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -286,50 +219,37 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
                                         head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
     elif FRESH_KV and num_cached == 0:
-        key_row0 = key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        value_row0 = value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-        if FLASH_WINDOW:
-            m_i, l_i, acc = sinks_left_of_window(q, m_i, l_i, acc, q_pos, last, sink, recent, key_row0, value_row0,
-                                                 stride_kt, stride_vt, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N)
-        else:
-            m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
-                                            head - num_retrieval, num_streaming, stream_offset, page_heads, stride,
-                                            sink, recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
-                                            key_row0, value_row0, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                            BLOCK_SIZE, True, PREFETCH)
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
+                                        head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
+                                        recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                                        key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh,
+                                        value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh,
+                                        stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True)
     else:
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
                                         head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
                                         recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
                                         key_ptr, value_ptr, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                        BLOCK_SIZE, False, PREFETCH)
-    out_rows = out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
-    if FLASH_WINDOW and num_cached == 0:
-        window = tl.load(out_rows, mask=mask, other=0.0).to(tl.float32)
-        window_lse = tl.load(window_lse_ptr + (q_head - num_retrieval * G).to(tl.int64) * stride_lse + tok,
-                             mask=row_ok, other=0.0)
-        out = merged_with_window(m_i, l_i, acc, window, window_lse)
-    else:
-        out = acc / l_i[:, None] * v_scale
-    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
+                                        BLOCK_SIZE, False)
+    out = acc / l_i[:, None] * v_scale
+    tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _prefill_config(head_dim: int, device: torch.device) -> dict:
-    """Tile shapes: tensor-core sized on GPU; small on the CPU interpreter so tests cross many tiles. PREFETCH: the
-    streaming heads' tiles loaded one ahead (`streaming_tiles`)."""
+    """Tile shapes: tensor-core sized on GPU; small on the CPU interpreter so tests cross many tiles."""
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=False)
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if head_dim > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1, PREFETCH=False)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, PREFETCH=False)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
 def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                       min_query_len: int = 1, streaming_only: bool = False, stream_cache: torch.Tensor | None = None,
                       quant: KVQuant | None = None, checked: bool = False,
-                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      window_lse: torch.Tensor | None = None) -> None:
+                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
     The batch's K/V must already be in the cache (`write_kv`).
@@ -348,9 +268,6 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         fresh_kv: the step's key and value (`write_kv`'s): with `streaming_only`, the streaming heads of requests
             with nothing cached read them instead of the page groups where the cache holds them unchanged (its dtype
             is theirs). Without `streaming_only` the kernel would need more shared memory than an H100 has.
-        window_lse: FlashAttention has written the windows of those requests' streaming heads into `output` (keys
-            [q - recent + 1, q] of the step's K/V) with this log-sum-exp, `[S * G, num_tokens]` float32: their
-            programs add the sinks left of the windows (the fresh path, retrieval heads first: `LayerHeads`).
     """
     stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table,
                                    checked)
@@ -366,18 +283,14 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
     num_tiles = num_tokens // block_q + num_reqs
     fresh = streaming_only and fresh_kv is not None and fresh_kv[0].dtype == stream_cache.dtype
     key, value = fresh_kv if fresh else (query, query)  # unread unless fresh
-    if window_lse is not None and not (fresh and heads.retrieval_first):
-        raise ValueError("window_lse needs the fresh path (streaming_only, fresh_kv in the cache's dtype) and the "
-                         "retrieval heads first")
-    lse = window_lse if window_lse is not None else seq_lens  # unread unless FLASH_WINDOW
     _prefill_kernel[(num_tiles, num_heads)](
-        query, cache, stream_cache, output, key, value, lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
+        query, cache, stream_cache, output, key, value, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
         seq_lens,
         block_table, *scale_tensors(quant, cache), scale * LOG2E,
         num_reqs, num_tiles, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset,
         stream_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
         *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
-        *stream_cache.stride()[:4], *key.stride()[:2], *value.stride()[:2], lse.stride(0),
+        *stream_cache.stride()[:4], *key.stride()[:2], *value.stride()[:2],
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, FLASH_WINDOW=window_lse is not None, **cfg)
+        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, **cfg)

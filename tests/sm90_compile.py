@@ -104,21 +104,13 @@ def cases():
         if "prefill" in variants:
             config = _prefill_config(head_dim, CUDA)
             block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(G))
-            block_n, prefetch = config.pop("BLOCK_N"), config.pop("PREFETCH")
+            block_n = config.pop("BLOCK_N")
             constants = dict(shape, G=G, BLOCK_Q=block_m // G, BLOCK_M=block_m, BLOCK_N=block_n, FP16=fp16)
             yield (f"prefill {tag}", _prefill_kernel, model, cache,
-                   dict(constants, STREAMING_ONLY=False, FRESH_KV=False, FLASH_WINDOW=False, PREFETCH=prefetch), config)
-            # beside FlashAttention: fresh prompts' streaming keys from the step where the cache keeps them; with the
-            # streaming tiles loaded one ahead (kernels_bench --mixed's tile sweep); as served, after FlashAttention's
-            # windows of fresh prompts where the cache keeps them
-            for prefetch_now in (prefetch, not prefetch):
-                yield (f"prefill streaming heads {tag}{' prefetch' if prefetch_now else ''}", _prefill_kernel, model,
-                       cache, dict(constants, STREAMING_ONLY=True, FRESH_KV=cache == model, FLASH_WINDOW=False,
-                                   PREFETCH=prefetch_now), dict(config, num_stages=1) if prefetch_now else config)
-            if cache == model:
-                yield (f"prefill streaming heads {tag} after FA3's windows", _prefill_kernel, model, cache,
-                       dict(constants, STREAMING_ONLY=True, FRESH_KV=True, FLASH_WINDOW=True, PREFETCH=prefetch),
-                       config)
+                   dict(constants, STREAMING_ONLY=False, FRESH_KV=False), config)
+            # as served beside FlashAttention: fresh prompts' streaming keys from the step where the cache keeps them
+            yield (f"prefill streaming heads {tag}", _prefill_kernel, model, cache,
+                   dict(constants, STREAMING_ONLY=True, FRESH_KV=cache == model), config)
 
         block_n, min_split, num_stages = decode_tiles(head_dim, CUDA)
         splits = ((1, 1), (64, 2)) if "decode without splits" in variants else ((64, 2),)

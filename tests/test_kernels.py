@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton duo kernels against kernels/reference.py: on the CPU interpreter with small shapes, on CUDA with full ones."""
 
-import itertools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -71,9 +70,6 @@ GPU_PRESETS = {
                           head_dim=128, sink=64, recent=256),
     "mha_64": Preset(16, 16, tuple(range(0, 16, 3)), ((0, 700), (1200, 1), (400, 130)), head_dim=64,
                      sink=16, recent=128),
-    # retrieval heads first (reordered weights): FlashAttention-3 takes the fresh prompts' streaming windows
-    "llama_fresh": Preset(32, 8, (0, 1, 2, 3), ((0, 1000), (3000, 1), (0, 300), (700, 513), (0, 257), (0, 90)),
-                          head_dim=128, sink=64, recent=256),
 }
 
 
@@ -320,38 +316,6 @@ def test_fresh_prompts_read_their_streaming_keys_from_the_step(name):
         fresh = seq_len == rows.stop - rows.start
         got, paged = from_step[rows][:, streaming_q], out[rows][:, streaming_q]
         assert torch.equal(got, paged) if fresh else got.isnan().all(), (i, fresh)
-
-
-@pytest.mark.parametrize("name", PRESETS)
-def test_streaming_tiles_loaded_one_ahead_give_the_same_bits(name, monkeypatch):
-    """PREFETCH walks the same streaming key tiles in the same order in one loop, loading each a tile ahead: bit for
-    bit the output of the sink and window loops, with or without the retrieval heads, from the page groups and from
-    the step's K/V; and the reference's."""
-    from vllm_duo.kernels import prefill
-
-    case = make_case(PRESETS[name])
-    ref, _ = case.reference()
-    cache, stream = written_caches(case)
-    if case.heads.num_retrieval == 0 and stream is not None:
-        cache, stream = stream, None
-    default = prefill._prefill_config
-    outputs = {}
-    for prefetch, streaming_only, fresh in itertools.product((False, True), repeat=3):
-        monkeypatch.setattr(prefill, "_prefill_config",
-                            lambda head_dim, device, p=prefetch: dict(default(head_dim, device), PREFETCH=p))
-        out = case.poisoned_output()
-        prefill_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
-                          streaming_only=streaming_only, stream_cache=stream,
-                          fresh_kv=(case.key, case.value) if fresh else None)
-        outputs[prefetch, streaming_only, fresh] = out
-    heads = case.heads.streaming_q
-    for streaming_only, fresh in itertools.product((False, True), repeat=2):
-        one_ahead, in_turn = outputs[True, streaming_only, fresh], outputs[False, streaming_only, fresh]
-        columns = heads if streaming_only else slice(None)
-        assert torch.equal(one_ahead[:, columns], in_turn[:, columns]), (streaming_only, fresh)
-    if heads.numel():
-        assert_close(outputs[True, True, True][:, heads], ref[:, heads], torch.float32)
-    assert_close(outputs[True, False, False], ref, torch.float32)
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -489,36 +489,24 @@ def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype):
     assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case, torch.bfloat16)
 
 
-def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, seqused_k=None,
-                   block_table=None, cu_seqlens_k=None, window_size=None, num_splits=0, out=None,
-                   return_softmax_lse=False, **_descales):
-    """FlashAttention-3's varlen call in torch, float32: entry b's queries [cu[b], cu[b+1]) over the first
-    seqused_k[b] keys of its pages (k, v `[num_pages, page_size, kv_heads, head_dim]`), or over keys
-    [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k, v `[num_keys, kv_heads, head_dim]`; GQA; causal and the sliding
-    window `window_size` (left, right) aligned bottom-right."""
-    heads, kv_heads = q.shape[1], k.shape[-2]
+def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal, block_table,
+                   num_splits=0, out=None, return_softmax_lse=False, **_descales):
+    """FlashAttention-3's varlen paged call in torch, float32: entry b's queries [cu[b], cu[b+1]) over the first
+    seqused_k[b] keys of its pages (k, v `[num_pages, page_size, kv_heads, head_dim]`), GQA, causal bottom-right."""
+    heads, kv_heads = q.shape[1], k.shape[2]
     result = torch.zeros(q.shape, dtype=torch.float32)
     lse = torch.full((heads, q.shape[0]), float("-inf"))
     for b in range(cu_seqlens_q.shape[0] - 1):
-        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        if block_table is not None:
-            n = int(seqused_k[b])
-            pages = block_table[b, :-(-n // k.shape[1])].long()
-            keys, values = (x[pages].reshape(-1, kv_heads, x.shape[-1])[:n] for x in (k, v))
-        else:
-            keys, values = (x[int(cu_seqlens_k[b]):int(cu_seqlens_k[b + 1])] for x in (k, v))
-            n = keys.shape[0]
+        lo, hi, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
         if hi == lo or n == 0:
             continue
-        keys, values = (x.float().repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
+        pages = block_table[b, :-(-n // k.shape[1])].long()
+        keys, values = (x[pages].reshape(-1, kv_heads, x.shape[-1])[:n].float().repeat_interleave(heads // kv_heads, 1)
+                        for x in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * softmax_scale
-        diagonal = torch.arange(hi - lo)[:, None] + n - (hi - lo)  # the key aligned with each query
-        visible = torch.ones(hi - lo, n, dtype=torch.bool)
         if causal:
-            visible &= torch.arange(n)[None, :] <= diagonal
-        if window_size is not None and window_size[0] >= 0:
-            visible &= torch.arange(n)[None, :] >= diagonal - window_size[0]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
+            visible = torch.arange(n)[None, :] <= torch.arange(hi - lo)[:, None] + n - (hi - lo)
+            scores = scores.masked_fill(~visible[None], float("-inf"))
         lse[:, lo:hi] = torch.logsumexp(scores, -1)
         result[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values)
     if out is not None:
@@ -527,63 +515,31 @@ def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_sc
     return (result, lse) if return_softmax_lse else result
 
 
-# retrieval heads first (weights reordered): FlashAttention attends the fresh prompts' streaming windows, Triton the
-# sinks left of them (prompts past sink + recent, one a token past the window) and the cached requests anew
-SERVED_PREFILL = {name: PRESETS[name] for name in ("prefill_only", "chunked_mixed", "pooled_streaming",
-                                                   "all_streaming_odd_window")}
-SERVED_PREFILL["fresh_windows"] = Preset(12, 4, (0, 1), ((0, 40), (20, 1), (0, 7), (33, 45), (0, 70), (0, 17)))
-
-
-@pytest.mark.parametrize("windows", ["on", "off", "step too small"])
-@pytest.mark.parametrize("name", list(SERVED_PREFILL))
-def test_served_prefill_with_a_flash_stand_in(name, windows, monkeypatch):
+@pytest.mark.parametrize("name", ["prefill_only", "chunked_mixed", "pooled_streaming"])
+def test_served_prefill_with_a_flash_stand_in(name, monkeypatch):
     """A multi-token step as gpu_attention.py serves it, on the CPU with a torch stand-in for FlashAttention-3 (float32
     let through): the retrieval heads by the stand-in, the streaming heads by the Triton prefill, given the step's K/V
-    for fresh prompts and, where the retrieval heads come first and the step has FLASH_WINDOWS_MIN_TOKENS (here 0),
-    the stand-in's windows of them (the call `prefill_attention` gets is spied on); the reference's output, the cache
-    as written."""
+    for fresh prompts (the call `prefill_attention` gets is spied on); the reference's output, the cache as written."""
     from vllm_duo import gpu_attention, vllm_seam
     from vllm_duo.kernels import attention
 
     monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
-    if windows != "step too small":
-        monkeypatch.setattr(gpu_attention, "FLASH_WINDOWS_MIN_TOKENS", 0)
     monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.float32, torch.float32)})
     calls, prefill = [], attention.prefill_attention
     monkeypatch.setattr(attention, "prefill_attention", lambda *a, **kw: calls.append(kw) or prefill(*a, **kw))
-    case = make_case(SERVED_PREFILL[name])
+    case = make_case(PRESETS[name])
     ref, _ = case.reference()
     cache, stream = case.fresh_caches()
     out = case.poisoned_output()
     lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
     gpu_attention.duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl,
                                     case.block_table, case.scale, out, max(lens), max(case.seq_lens),
-                                    stream_cache=stream, flash_windows=windows != "off")
+                                    stream_cache=stream)
     assert_close(out, ref, torch.float32)
     assert_caches_equal((cache, stream), written_caches(case))
     (call,) = calls
     assert call["streaming_only"] and call["fresh_kv"][0] is case.key and call["fresh_kv"][1] is case.value
-    assert (call["window_lse"] is not None) == (windows == "on" and case.heads.retrieval_first)
 
-
-
-def test_decode_steps_leave_the_windows_to_the_decode_kernel(monkeypatch):
-    """A decode step where FlashAttention takes the retrieval heads (here: the squeeze's window lengths given) never
-    calls the window kernel, however many rows it has: decode.py attends the streaming heads."""
-    from vllm_duo import gpu_attention, vllm_seam
-
-    monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
-    monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.float32, torch.float32)})
-    monkeypatch.setattr(gpu_attention, "FLASH_WINDOWS_MIN_TOKENS", 0)
-    monkeypatch.setattr(gpu_attention, "streaming_windows_flash", lambda *a, **kw: pytest.fail("window kernel called"))
-    case = make_case(Preset(12, 4, (0, 1), ((37, 1), (5, 1), (100, 1), (20, 1))))
-    ref, _ = case.reference()
-    cache, stream = case.fresh_caches()
-    out = case.poisoned_output()
-    gpu_attention.duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl,
-                                    case.block_table, case.scale, out, 1, max(case.seq_lens), stream_cache=stream,
-                                    retrieval_seq_lens=case.sl)
-    assert_close(out, ref, torch.float32)
 
 # decode batches with two rows or more past a block: GQA 3, a mixed batch, 32-token pages of 3 slots, head_dim 80
 FLASH_PASSES = {"decode_gqa3": PRESETS["decode_gqa3"],

@@ -3,13 +3,10 @@
 the Triton kernels (kernels/) for the rest.
 
 FlashAttention-3 (Hopper, vLLM's build) takes the retrieval heads of every prefill, and of decode over fp8 pages,
-which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8). In a multi-token step it also takes
-the streaming heads' sliding windows of fresh prompts from the step's K/V (its window kernel took 0.07 ms a layer
-where our prefill took 0.15-0.17 at 8k-token bursts, benchmarks/results/2026-11-25-h100-host), the Triton prefill
-adding the sinks left of them. Triton keeps the rest of the Λ-masked streaming heads, and bf16 decode whole:
-FlashAttention on the retrieval heads, then the streaming heads, measured 35 us per layer at 4 x 1k, the one Triton
-launch about 32 (benchmarks/results/2026-11-25-h100-host). Where FlashAttention decodes the retrieval heads, the
-streaming heads' Triton decode runs beside it on a second stream.
+which it reads at about twice our decode kernel's rate (kernels_bench.py --fp8). Triton keeps the Λ-masked
+streaming heads, and bf16 decode whole: FlashAttention on the retrieval heads, then the streaming heads, measured
+35 us per layer at 4 x 1k, the one Triton launch about 32 (benchmarks/results/2026-11-25-h100-host). Where
+FlashAttention decodes the retrieval heads, the streaming heads' Triton decode runs beside it on a second stream.
 Where the squeeze is on, FlashAttention also reads the keys it selects and the window's newest, as pages of one cache
 row, merged with its window pass over the rest of the window (`selected_rows_attention`), which runs beside the
 lookup.
@@ -38,8 +35,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       quant: KVQuant | None = None, retrieval_table: torch.Tensor | None = None,
                       flash_schedules: dict[int, torch.Tensor] | None = None,
                       retrieval_seq_lens: torch.Tensor | None = None,
-                      squeezed: Callable[[Callable | None], None] | None = None, flash_allowed: bool = True,
-                      flash_windows: bool = True) -> None:
+                      squeezed: Callable[[Callable | None], None] | None = None, flash_allowed: bool = True) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -59,8 +55,6 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             Triton sparse decode). At decode the window pass and then the streaming heads run beside the lookup on
             a second stream (`squeezed_decode`); a batch with prefills runs the window pass first.
         flash_allowed: False leaves FlashAttention out (`VLLM_DUO_ATTENTION=triton`).
-        flash_windows: in a multi-token step, FlashAttention attends the streaming heads' windows of fresh prompts
-            where it can (`streaming_windows_flash`); False leaves them to the Triton prefill (kernels_bench.py).
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
@@ -75,16 +69,9 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
     if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
         write()
-    windows = (flash_windows and by_flash and max_query_len > 1 and query.shape[0] >= FLASH_WINDOWS_MIN_TOKENS
-               and heads.num_streaming > 0 and heads.retrieval_first and key.dtype == stream_cache.dtype)
-
-    def streaming() -> None:
-        window_lse = (streaming_windows_flash(flash, query, key, value, heads, query_start_loc, max_query_len, scale,
-                                              output) if windows else None)
-        triton_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, max_query_len,
-                         max_num_splits, stream_cache, quant, streaming_only=by_flash, fresh_kv=(key, value),
-                         window_lse=window_lse)
-
+    streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
+                                  scale, output, max_query_len, max_num_splits, stream_cache, quant,
+                                  streaming_only=by_flash, fresh_kv=(key, value))
     if not (by_flash and heads.num_retrieval):
         streaming()
         if squeezed is not None:
@@ -110,25 +97,6 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if squeezed is not None:
             squeezed(functools.partial(rows_part, window[0], lambda: window[1]))
         streaming()
-
-
-def streaming_windows_flash(flash, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: LayerHeads,
-                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                            output: torch.Tensor) -> torch.Tensor:
-    """The streaming heads' windows by FlashAttention's sliding-window kernel over the step's own K/V: row i attends
-    keys [i - recent + 1, i] of its request's new tokens, written into the streaming heads' slice of `output`
-    (retrieval heads first); returns the log-sum-exp `[S * G, num_tokens]` for the Triton prefill, which adds each
-    fresh prompt's sinks left of the windows and attends the other requests' streaming heads anew
-    (`prefill_attention(window_lse=...)`): their rows here saw only this step's keys.
-
-    FlashAttention aligns the window bottom-right; with the queries' own offsets as the keys' they align at the
-    diagonal."""
-    R, G = heads.num_retrieval, heads.group_size
-    _, lse = flash(q=query[:, R * G:], k=key[:, R:], v=value[:, R:], cu_seqlens_q=query_start_loc,
-                   cu_seqlens_k=query_start_loc, max_seqlen_q=max_query_len, max_seqlen_k=max_query_len,
-                   softmax_scale=scale, causal=True, window_size=(heads.recent - 1, 0), out=output[:, R * G:],
-                   return_softmax_lse=True)
-    return lse
 
 
 def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[], None], window_part, rows_part,
@@ -199,11 +167,6 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
-# Steps of fewer tokens leave the streaming heads' windows to the Triton prefill: FlashAttention's call costs 55-90 us
-# of host time a layer (H100, 2026-11-25-h100-host), and a step of a few hundred tokens on an 8B model is already
-# bound by the host's launches (duo's layer 0.34 ms to issue, 0.08 ms on the GPU, at 31 decodes + 256 new tokens);
-# from about 1k tokens a layer's GEMMs alone outlast the launches.
-FLASH_WINDOWS_MIN_TOKENS = 1024
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32
