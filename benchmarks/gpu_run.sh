@@ -41,7 +41,7 @@ for stage in "$@"; do
       wait; tail -n 6 "$OUT/gpu_kernel_tests.log"; tail -n 12 "$OUT/gpu_e2e_tests.log" ;;
     # one group after the other (~6 min): side by side, an engine's startup memory check fails when the other
     # group's engine frees memory during it (vLLM: `init_snapshot.free_memory >= free_gpu_memory`)
-    e2e_bf16) for group in "path or all_retrieval_equals" "cuda_graphs or prefix_hit"; do
+    e2e_bf16) for group in "path or all_retrieval_equals" "cuda_graphs or prefix_hit or compiles"; do
         timeout $((DEADLINE - SECONDS)) python3 -m pytest -q -m gpu -p no:cacheprovider -k "$group" \
           tests/test_gpu_e2e.py > "$OUT/gpu_e2e_${group%% *}.log" 2>&1
         tail -n 2 "$OUT/gpu_e2e_${group%% *}.log"

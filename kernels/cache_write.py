@@ -125,7 +125,7 @@ def stream_rows(table_row_ptr, pos, mask, head, num_streaming, stream_offset, pa
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_retrieval", "num_streaming", "stride", "stream_offset",
-                               "stream_page_heads"])
+                               "stream_page_heads", "stride_table"])
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr,
                      query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
                      num_reqs, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads,

@@ -29,6 +29,7 @@ from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, strea
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 MIN_SPLIT_TOKENS = 256  # shortest split on GPU: below this the partial writes and merge outweigh the parallelism
+MAX_DECODE_SPLITS = 64  # a power of two: the split counts decode_num_splits chooses are 1, 2, 4, ... up to it
 # a streaming head's window keys per program on GPU: at 4 x 128k (H200) the squeezed layer 2.234 ms at 64, 2.243 at
 # 128, 2.253 at 256 (duo 6.74 each): the streaming heads' launches end before the row pass they slowed
 STREAM_WINDOW_SPLIT = 64
@@ -122,7 +123,7 @@ def merge_parts(part_out_ptr, part_lse_ptr, part, s_ok, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "stride", "stream_offset", "page_heads", "sink",
-                               "recent", "first_program"])
+                               "recent", "first_program", "stride_table"])
 def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr,
                    streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
                    qk_scale, num_retrieval, num_streaming, stride, stream_offset, page_heads, sink, recent, first_program,
@@ -259,8 +260,8 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
     if device.type != "cuda":
         return 1
     want = triton.cdiv(8 * _sm_count(device.index), max(num_reqs * num_retrieval, 1))
-    # a power of two: MAX_SPLITS is a compile-time constant, so at most 7 variants ever compile
-    return triton.next_power_of_2(max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), 64)))
+    # a power of two: MAX_SPLITS is a compile-time constant, so at most 7 variants ever compile (all at warm-up)
+    return triton.next_power_of_2(max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_DECODE_SPLITS)))
 
 
 def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,

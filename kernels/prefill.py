@@ -157,9 +157,10 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
     return m_i, l_i, acc
 
 
-# Batch-dependent ints are not specialized: each new value class would compile a new kernel mid-serving.
+# Batch-dependent ints (and the block table's width) are not specialized: each new value class would compile a new
+# kernel mid-serving, past the warm-up (vllm_duo/warmup.py).
 @triton.jit(do_not_specialize=["num_reqs", "num_tiles", "num_retrieval", "num_streaming", "stride", "stream_offset",
-                               "page_heads", "sink", "recent", "min_query_len", "head_offset"])
+                               "page_heads", "sink", "recent", "min_query_len", "head_offset", "stride_table"])
 def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_ptr, retrieval_kv_ptr,
                     streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
                     qk_scale,

@@ -19,7 +19,7 @@ from vllm_duo.kernels.reference import FP8_FORMATS, LayerHeads
 QUANT_BLOCK_T = 16  # tokens per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_out_heads"])
 def _quantize_kernel(query_ptr, q_heads_ptr, out_ptr, q_scale_ptr, num_tokens, num_out_heads,
                      stride_qt: tl.int64, stride_qh: tl.int64, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_T: tl.constexpr, FP8: tl.constexpr):

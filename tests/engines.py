@@ -139,7 +139,8 @@ for key, value in greedy_with_logprobs(LLM(**engine), prompts).items():
 def generate_in_subprocess(engine: dict, backend: str | None, duo: dict | None, lengths, **env) -> dict:
     """Greedy outputs of an `LLM(**engine)` in its own process (a clean CUDA context, env vars read at import).
 
-    Returns TOKENS (32 per prompt), LOGPROBS, GAPS and PROMPT_LOGPROBS (`greedy_with_logprobs`).
+    Returns TOKENS (32 per prompt), LOGPROBS, GAPS and PROMPT_LOGPROBS (`greedy_with_logprobs`), and the
+    process's STDERR.
     """
     import os
     import subprocess
@@ -155,7 +156,7 @@ def generate_in_subprocess(engine: dict, backend: str | None, duo: dict | None, 
     found = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
              if line.startswith(("TOKENS ", "LOGPROBS ", "GAPS ", "PROMPT_LOGPROBS "))}
     assert "TOKENS" in found, result.stderr[-3000:]
-    return found
+    return dict(found, STDERR=result.stderr)
 
 
 # Logits come out of a bf16 lm_head: near 20 their resolution is 0.125, so the top two tokens of a

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """End to end on the GPU: the kernels (FlashAttention-3 with Triton, or Triton alone) equal the PyTorch path, Triton
 alone is the same in any cache size, CUDA graphs equal eager, all-retrieval duo equals FLASH_ATTN, with fp8 KV duo
-follows FLASH_ATTN fp8, and a prefix-cache hit answers as cold."""
+follows FLASH_ATTN fp8, a prefix-cache hit answers as cold, and no duo kernel compiles while serving."""
 
+import importlib
 import json
 import os
+import pkgutil
+import re
 import subprocess
 import sys
 
@@ -54,6 +57,24 @@ def test_cuda_graphs_equal_eager(model, tmp_path):
     """Decode batches replay full CUDA graphs (UNIFORM_SINGLE_TOKEN_DECODE); the tokens must not change."""
     duo = {"pattern": random_pattern(tmp_path / "p.json"), "sparsity": 0.5, "sink": 16, "recent": 64}
     assert_same_greedy(generate(model, "duo", duo, eager=False), generate(model, "duo", duo))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_no_duo_kernel_compiles_while_serving(model, kv_cache_dtype):
+    """Duo's warm-up (vllm_duo/warmup.py) compiles its kernels before vLLM's JIT monitor starts, which logs each
+    Triton compile during inference: none of duo's in prompts of 7-3000 tokens, steps of up to 2048 tokens (a
+    prefill burst, chunks beside decodes), decode batches in CUDA graphs and eager."""
+    from vllm_duo import kernels
+
+    ours = {name for info in pkgutil.iter_modules(kernels.__path__)
+            for name in vars(importlib.import_module(f"vllm_duo.kernels.{info.name}")) if name.endswith("_kernel")}
+    duo = {"pattern": "SmolLM2-135M-Instruct", "sparsity": 0.5}
+    engine = dict(model=model, max_model_len=4096, gpu_memory_utilization=0.3, enforce_eager=False,
+                  dtype="bfloat16", max_num_batched_tokens=2048, kv_cache_dtype=kv_cache_dtype,
+                  compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, jit_monitor_verbose=True)
+    stderr = generate_in_subprocess(engine, "duo", duo, (7, 20, 300, 900, 2000, 1200, 64, 3000))["STDERR"]
+    compiled = set(re.findall(r"JIT compilation during inference: (\w+)", stderr))
+    assert "_prefill_kernel" in ours and not compiled & ours, sorted(compiled & ours)
 
 
 # fp8 KV (e4m3): bounds as on the CPU stack (tests/test_fp8.py), in units of what fp8 does to FLASH_ATTN itself.

@@ -64,7 +64,8 @@ def test_patches_for_other_versions_are_not_applied():
 
 
 @pytest.mark.parametrize("touch_name", ["route_kv_cache_spec", "reorder_before_quant", "kv_cache_spec_registry",
-                                        "block_pool", "prefix_cache_lookups", "bench_throughput_requests"])
+                                        "block_pool", "prefix_cache_lookups", "bench_throughput_requests",
+                                        "kernel_warmup"])
 def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, touch_name):
     """The check of each patched function fails on a signature duo does not expect, in one line."""
     if touch_name == "prefix_cache_lookups":
@@ -82,6 +83,9 @@ def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, t
     elif touch_name == "block_pool":
         from vllm.v1.core.block_pool import BlockPool as owner
         name, changed = "free_blocks", lambda self, blocks, group: None
+    elif touch_name == "kernel_warmup":
+        from vllm.v1.worker import gpu_worker as owner
+        name, changed = "kernel_warmup", lambda worker, model_runner: None
     else:
         from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry as owner
         name, changed = "register", classmethod(lambda cls, spec_cls, manager: None)
@@ -90,6 +94,22 @@ def test_a_changed_signature_stops_with_the_version_and_the_touch(monkeypatch, t
         vllm_seam.check(touch_name)
     message = str(error.value)
     assert "\n" not in message and touch_name in message and vllm_seam.installed_version() in message
+
+
+def test_the_workers_kernel_warmup_runs_duos_after_vllms(monkeypatch):
+    """kernel_warmup (applied at load): the GPU worker's warm-up runs vLLM's, then duo's over the worker's model."""
+    from vllm.v1.worker import gpu_worker
+
+    from vllm_duo import backend
+
+    calls = []
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker: calls.append(("vllm", worker)))
+    monkeypatch.setattr(backend, "warm_up_duo_layers", lambda model: calls.append(("duo", model)))
+    vllm_seam.warm_up_after_vllm()
+    vllm_seam.warm_up_after_vllm()  # idempotent: one wrapper
+    worker = type("Worker", (), {"get_model": lambda self: "the model"})()
+    gpu_worker.kernel_warmup(worker)
+    assert calls == [("vllm", worker), ("duo", "the model")]
 
 
 def test_an_engine_core_out_of_reach_stops_the_tools_that_read_it(monkeypatch):

@@ -16,6 +16,7 @@ way the platform's dense backend writes them; the kernels dequantize in register
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, du
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 from vllm_duo.reorder import reorder_heads
 from vllm_duo.squeeze import ClusteredContexts, SqueezeRows, SqueezeStep, centroid_dtype, window_pages
+from vllm_duo.warmup import WARM_UP_STEPS
 
 logger = init_logger(f"vllm.{__name__}")
 ATTENTION_PATH = attention_path()  # on a GPU; the CPU takes the PyTorch path
@@ -295,6 +297,26 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         """The cache whose page groups hold this layer's streaming K/V (kv_cache.py pools them across layers)."""
         return kv_cache if self.stream_host is None else vllm_seam.as_duo_pages(self.stream_host.kv_cache)
 
+    def _pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's pages and the cache holding its page groups, in the dtype the kernels read."""
+        kv_cache = vllm_seam.as_duo_pages(kv_cache)
+        stream_cache = self._stream_cache(kv_cache)
+        if self.fp8_dtype is not None:  # vLLM allocates fp8 caches as uint8
+            kv_cache, stream_cache = kv_cache.view(self.fp8_dtype), stream_cache.view(self.fp8_dtype)
+        return kv_cache, stream_cache
+
+    def warm_up(self, layer) -> None:
+        """Launch every kernel variant this layer's steps can launch (warmup.py), before serving."""
+        kv_cache, stream_cache = self._pages(layer.kv_cache)
+        quant = self._quant(layer, on_host=False)
+        dtype = self.vllm_config.model_config.dtype
+        for step in WARM_UP_STEPS:
+            batch = step.inputs(self.num_heads, self.num_kv_heads, self.head_size, dtype, stream_cache.shape[2],
+                                self.heads.stride, kv_cache.device)  # a layer without pages has a stub cache
+            duo_attention_gpu(batch.pop("query"), batch.pop("key"), batch.pop("value"), kv_cache, self.heads,
+                              scale=self.scale, stream_cache=stream_cache, quant=quant,
+                              flash_allowed=ATTENTION_PATH == "flash", **batch)
+
     def _quant(self, layer, on_host: bool) -> KVQuant | None:
         """The layer's fp8 storage: its scales as the kernels read them (device tensors, which vLLM updates in
         place) or as floats for the PyTorch path, which on the CPU rounds toward zero as vLLM's CPU backend does."""
@@ -327,10 +349,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         if heads is None:
             raise RuntimeError(f"duo layer {layer.layer_name} was not bound at weight load (bind_duo_layers): "
                                "load the model through vLLM's model loader")
-        kv_cache = vllm_seam.as_duo_pages(kv_cache)
-        stream_cache = self._stream_cache(kv_cache)
-        if self.fp8_dtype is not None:  # vLLM allocates fp8 caches as uint8
-            kv_cache, stream_cache = kv_cache.view(self.fp8_dtype), stream_cache.view(self.fp8_dtype)
+        kv_cache, stream_cache = self._pages(kv_cache)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
@@ -396,7 +415,8 @@ def make_contexts(vllm_config, serving: ServingPlan, head_dim: int, device: torc
 def bind_duo_layers(model: torch.nn.Module, device: torch.device) -> None:
     """The load step (vllm_seam: reorder_before_quant), before vLLM repacks or quantizes the weights: each duo
     layer's heads are reordered where its weights allow (reorder.py), and its impl gets its heads and streaming host
-    once, from the serving plan the KV cache spec and the metadata builder read too; the squeeze's store is made."""
+    once, from the serving plan the KV cache spec and the metadata builder read too; the squeeze's store is made; the
+    worker's warm-up will run duo's (`warm_up_duo_layers`)."""
     attention = {extract_layer_index(module.layer_name): module for module in model.modules()
                  if isinstance(getattr(module, "impl", None), DuoAttentionImpl)}
     if attention:
@@ -415,6 +435,23 @@ def bind_duo_layers(model: torch.nn.Module, device: torch.device) -> None:
     if kept:
         logger.info("duo: %d attention layers keep the model's head order (quantized or not a fused qkv "
                     "projection) and run on head index maps, e.g. %s", len(kept), kept[0])
+    if attention:
+        vllm_seam.warm_up_after_vllm()
+
+
+def warm_up_duo_layers(model: torch.nn.Module) -> None:
+    """The warm-up step (vllm_seam: kernel_warmup), after vLLM's own and before CUDA graph capture: each duo layer's
+    kernels launched once per kind of step (warmup.py), so that no request waits on Triton compiling them."""
+    layers = [module for module in model.modules() if isinstance(getattr(module, "impl", None), DuoAttentionImpl)]
+    if not layers or not layers[0].kv_cache.is_cuda or ATTENTION_PATH == "torch":  # nothing compiles
+        return
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for layer in layers:
+            layer.impl.warm_up(layer)
+    torch.cuda.synchronize()
+    logger.info("duo: kernels warmed up in %.1f s (%d layers, %d steps each)", time.perf_counter() - start,
+                len(layers), len(WARM_UP_STEPS))
 
 
 vllm_seam.check("backend_interface")  # duo's overrides take what the installed vLLM passes

