@@ -20,9 +20,10 @@ path on the dense cache (queries quantized, as vLLM's FLASH_ATTN does).
 
 mixed (`--mixed`, issue 22): one layer over the mixed batches vLLM runs eagerly between piecewise CUDA graphs
 (prefill bursts of 1k and 4k prompts, decodes beside a chunk), duo against dense's cache write + FA3: device time,
-the host time to issue a call, cProfile's split of it, and the streaming heads' prefill as served (fresh prompts' keys
-from the step's K/V), with every key from the page groups, and over several tile shapes. q, k and v are views of one fused qkv, as vLLM
-passes them.
+the host time to issue a call, cProfile's split of it, each launch's host time alone and through Triton's compiled
+launcher alone (what a launch cached per layer would cost), and the streaming heads' prefill as served (fresh
+prompts' keys from the step's K/V), with every key from the page groups, and over several tile shapes. q, k and v are
+views of one fused qkv, as vLLM passes them.
 Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
 streaming heads in one program each as before they were split.
 
@@ -59,6 +60,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -448,6 +450,26 @@ def host_us(fn, calls: int = 40, repeats: int = 5) -> float:
     return sorted(times)[repeats // 2]
 
 
+def launcher_host_us(module, name: str, call) -> float:
+    """Host us of kernel `name`'s launch in `call` through Triton's compiled launcher alone: the kernel `call`
+    launches, with the same arguments, without the binder that specializes them and looks the kernel up."""
+    kernel, seen = getattr(module, name), {}
+
+    class Grab:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
+
+    with patch.object(module, name, Grab()):
+        call()
+    compiled = kernel[seen["grid"]](*seen["args"], **seen["kwargs"])
+    params = inspect.signature(kernel.fn).parameters
+    bound = dict(zip(params, seen["args"]))
+    bound.update({key: value for key, value in seen["kwargs"].items() if key in params})
+    launch = compiled[seen["grid"]]
+    ordered = [bound[param] for param in params]
+    return host_us(lambda: launch(*ordered))
+
+
 def device_ms(fn) -> float:
     """Device time of one call: a CUDA graph replay where the call can be captured (no host cost in it)."""
     try:
@@ -602,6 +624,20 @@ def bench_mixed(fa, rows, out_json):
                 fresh_kv=(key, value)))
         rows.append((f"mixed {T}", f"{name}: host us/launch " + ", ".join(
             f"{label} {us:.0f}" for label, us in res["launch_host_us"].items()), float("nan"), float("nan")))
+        res["launcher_host_us"] = {}
+        try:  # the same launches through Triton's compiled launcher alone
+            res["launcher_host_us"]["write_kv"] = launcher_host_us(cache_write, "_write_kv_kernel", lambda: (
+                cache_write.write_kv(key, value, duo.cache, heads, qsl, sl, duo.table, checked=True)))
+            if max_q > 1:
+                res["launcher_host_us"]["streaming prefill"] = launcher_host_us(
+                    prefill_module, "_prefill_kernel", lambda: prefill_attention(
+                        query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
+                        fresh_kv=(key, value)))
+        except Exception as e:  # noqa: BLE001 - another Triton's launcher API: note it, go on
+            res["launcher_host_us"]["error"] = repr(e)[:200]
+        rows.append((f"mixed {T}", f"{name}: host us/launch, Triton's compiled launcher alone " + ", ".join(
+            f"{label} {us:.0f}" if isinstance(us, float) else f"{label} {us}"
+            for label, us in res["launcher_host_us"].items()), float("nan"), float("nan")))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         if max_q > 1:  # every key from the page groups, as before fresh prompts read the step's K/V
             res["duo_streaming_prefill_paged_ms"] = device_ms(lambda: streaming(out, fresh_kv=None))
