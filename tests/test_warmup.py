@@ -157,3 +157,26 @@ def test_the_warm_up_runs_through_each_served_layer(smollm2_dir, tmp_path):
     for keys in launched:
         assert {("_write_kv_kernel", None), ("_prefill_kernel", None)} <= keys
         assert {split for name, split in keys if name == "_decode_kernel"} == set(decode_split_counts())
+
+
+@pytest.mark.parametrize("path", ["flash", "triton"])
+def test_the_warm_up_steps_run_and_touch_only_block_0(path, monkeypatch):
+    """The warm-up's steps through the real kernels (the CPU interpreter; a torch stand-in for FlashAttention-3):
+    every output finite, and no block of the caches but block 0, vLLM's null block, written."""
+    from test_sparse_kernels import stand_in_flash
+
+    p = Preset(9, 3, (0,), ((0, 1),), stream_host=(2, 5))
+    case = make_case(p)
+    cache, stream = case.fresh_caches()
+    cache[0], stream[0] = 0.0, 0.0
+    before = cache.clone(), stream.clone()
+    monkeypatch.setattr(vllm_seam, "flash_attn_varlen", lambda device=None: stand_in_flash)
+    monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.float32, torch.float32)})
+    for step in WARM_UP_STEPS:
+        batch = step.inputs(p.num_heads, p.num_kv_heads, p.head_dim, torch.float32, BLOCK_SIZE, case.heads.stride,
+                            CPU)
+        gpu_attention.duo_attention_gpu(batch.pop("query"), batch.pop("key"), batch.pop("value"), cache, case.heads,
+                                        scale=0.125, stream_cache=stream, flash_allowed=path == "flash", **batch)
+        assert batch["output"].isfinite().all(), step
+    for after, was in zip((cache, stream), before):
+        assert torch.equal(after[1:], was[1:]) and not torch.equal(after[0], was[0])
