@@ -581,9 +581,10 @@ def bench_mixed(fa, rows, out_json):
         # count and reused by the others (the common case, timed as "duo layer"); made on every call: a row below
         schedules = {}
 
-        def duo_layer(make_schedule=False):
+        def duo_layer(make_schedule=False, store_in_streaming=True):
             duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
-                                 retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules)
+                              retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules,
+                              store_in_streaming=store_in_streaming)
 
         dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
         if fa.version == 3:
@@ -603,25 +604,29 @@ def bench_mixed(fa, rows, out_json):
         for side, fn in (("duo", duo_layer), ("dense", dense_layer)):
             res[f"{side}_device_ms"] = device_ms(fn)
             res[f"{side}_host_us"] = host_us(fn)
-        if max_q > 1:
+        if max_q > 1:  # the step's K/V stored by its own launch first (write_kv), not by the streaming heads'
+            apart = functools.partial(duo_layer, store_in_streaming=False)
+            res["duo_stored_apart_device_ms"], res["duo_stored_apart_host_us"] = device_ms(apart), host_us(apart)
+            rows.append((f"mixed {T}", f"{name}: duo layer, K/V stored apart, device (host us/call "
+                         f"{res['duo_stored_apart_host_us']:.0f})", res["duo_stored_apart_device_ms"], float("nan")))
             res["duo_host_us_making_the_schedule"] = host_us(lambda: duo_layer(make_schedule=True))
             rows.append((f"mixed {T}", f"{name}: duo layer making FA3's schedule, host us/call "
                          f"{res['duo_host_us_making_the_schedule']:.0f}", float("nan"), float("nan")))
 
-        def streaming(into, fresh_kv=(key, value)):  # as served: fresh prompts' keys from the step's K/V
+        def streaming(into, fresh_kv=(key, value), store=False):  # fresh prompts' keys from the step's K/V
             prefill_attention(query, duo.cache, heads, qsl, sl, duo.table, SCALE, into, streaming_only=True,
-                              fresh_kv=fresh_kv)
+                              fresh_kv=fresh_kv, store=store)
 
         res["duo_write_kv_ms"] = device_ms(lambda: cache_write.write_kv(key, value, duo.cache, heads, qsl, sl,
                                                                         duo.table))
-        # each launch's host time alone (checks skipped, as duo_attention_gpu's checked calls): what fusing the
-        # K/V store into the streaming prefill would save a layer
+        # each launch's host time alone (checks skipped, as duo_attention_gpu's checked calls)
         res["launch_host_us"] = {"write_kv": host_us(lambda: cache_write.write_kv(
             key, value, duo.cache, heads, qsl, sl, duo.table, checked=True))}
         if max_q > 1:
-            res["launch_host_us"]["streaming prefill"] = host_us(lambda: prefill_attention(
-                query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
-                fresh_kv=(key, value)))
+            for label, store in (("streaming prefill", False), ("streaming prefill storing the step", True)):
+                res["launch_host_us"][label] = host_us(lambda store=store: prefill_attention(
+                    query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
+                    fresh_kv=(key, value), store=store))
         rows.append((f"mixed {T}", f"{name}: host us/launch " + ", ".join(
             f"{label} {us:.0f}" for label, us in res["launch_host_us"].items()), float("nan"), float("nan")))
         res["launcher_host_us"] = {}
@@ -639,6 +644,10 @@ def bench_mixed(fa, rows, out_json):
             f"{label} {us:.0f}" if isinstance(us, float) else f"{label} {us}"
             for label, us in res["launcher_host_us"].items()), float("nan"), float("nan")))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
+        if max_q > 1:  # as served: the same launch stores the step's K/V
+            res["duo_streaming_prefill_storing_ms"] = device_ms(lambda: streaming(out, store=True))
+            rows.append((f"mixed {T}", f"{name}: duo streaming_prefill storing the step (as served)",
+                         res["duo_streaming_prefill_storing_ms"], float("nan")))
         if max_q > 1:  # every key from the page groups, as before fresh prompts read the step's K/V
             res["duo_streaming_prefill_paged_ms"] = device_ms(lambda: streaming(out, fresh_kv=None))
             rows.append((f"mixed {T}", f"{name}: duo streaming_prefill, all keys from the page groups",

@@ -72,14 +72,16 @@ def write_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cach
 def triton_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                      max_query_len: int, max_num_splits: int, stream_cache: torch.Tensor, quant: KVQuant | None,
-                     streaming_only: bool, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     streaming_only: bool, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     store: bool = False) -> None:
     """Attend over checked, written caches: multi-token requests by prefill.py, single-token ones by decode.py;
     `streaming_only` (the retrieval heads attended elsewhere): every request's streaming heads, by prefill.py in a
-    multi-token batch, fresh prompts' from the step's K/V (`fresh_kv`, prefill_attention)."""
+    multi-token batch, fresh prompts' from the step's K/V (`fresh_kv`, prefill_attention), which with `store` that
+    launch also stores (the caches are written by it, not before)."""
     if max_query_len > 1:
         prefill_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output,
                           min_query_len=1 if streaming_only else 2, streaming_only=streaming_only,
-                          stream_cache=stream_cache, quant=quant, checked=True, fresh_kv=fresh_kv)
+                          stream_cache=stream_cache, quant=quant, checked=True, fresh_kv=fresh_kv, store=store)
     if max_query_len == 1 or not streaming_only:
         decode_attention(query, cache, heads, query_start_loc, seq_lens, block_table, scale, output, max_num_splits,
                          stream_cache=stream_cache, quant=quant, streaming_only=streaming_only, checked=True)

@@ -124,35 +124,15 @@ def stream_rows(table_row_ptr, pos, mask, head, num_streaming, stream_offset, pa
     return block * stride_block + (cell // page_heads) * stride_row + (cell % page_heads) * stride_head
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_retrieval", "num_streaming", "stride", "stream_offset",
-                               "stream_page_heads", "stride_table"])
-def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr,
-                     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
-                     num_reqs, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads,
-                     stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64, stride_vh: tl.int64,
-                     stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
-                     stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
-                     stride_sh: tl.int64,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
-    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x (R + S)).
-
-    Retrieval heads go to their pages in the layer's cache, streaming heads to their token blocks' page
-    groups in the stream cache; an FP8 cache stores `x / scale` rounded to nearest even.
-    """
-    tile = tl.program_id(0)
-    j = tl.program_id(1)
-    req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_T)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_end = tl.load(query_start_loc_ptr + req + 1)
-    t0 = q_start + (tile - (q_start // BLOCK_T + req)) * BLOCK_T
-    if t0 >= q_end:
-        return
-    num_cached = tl.load(seq_lens_ptr + req) - (q_end - q_start)
-    tok = t0 + tl.arange(0, BLOCK_T)
-    pos = num_cached + tok - q_start
-    mask = tok < q_end
-    table_row = block_table_ptr + req * stride_table
+@triton.jit
+def store_step_rows(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr, k_scale_ptr,
+                    v_scale_ptr, table_row, tok, pos, mask, j, num_retrieval, num_streaming, stride, stream_offset,
+                    stream_page_heads, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv, stride_cr,
+                    stride_ch, stride_sb, stride_skv, stride_sr, stride_sh,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """Store the step's K/V rows `tok` (token positions `pos`) of the layer's head j (retrieval heads first):
+    retrieval heads to their pages in the layer's cache, streaming heads to their token blocks' page groups in the
+    stream cache; an FP8 cache stores `x / scale` rounded to nearest even."""
     if j < num_retrieval:
         kv_head = tl.load(retrieval_kv_ptr + j)
         dst_ptr = cache_ptr
@@ -175,6 +155,35 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr
     dst = dst_ptr + rows[:, None] + offs_d[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask2)
     tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask2)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_retrieval", "num_streaming", "stride", "stream_offset",
+                               "stream_page_heads", "stride_table"])
+def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr,
+                     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+                     num_reqs, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads,
+                     stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64, stride_vh: tl.int64,
+                     stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
+                     stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
+                     stride_sh: tl.int64,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x (R + S))."""
+    tile = tl.program_id(0)
+    j = tl.program_id(1)
+    req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_T)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    t0 = q_start + (tile - (q_start // BLOCK_T + req)) * BLOCK_T
+    if t0 >= q_end:
+        return
+    num_cached = tl.load(seq_lens_ptr + req) - (q_end - q_start)
+    tok = t0 + tl.arange(0, BLOCK_T)
+    store_step_rows(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr, k_scale_ptr,
+                    v_scale_ptr, block_table_ptr + req * stride_table, tok, num_cached + tok - q_start, tok < q_end,
+                    j, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads, stride_kt, stride_kh,
+                    stride_vt, stride_vh, stride_cb, stride_ckv, stride_cr, stride_ch, stride_sb, stride_skv,
+                    stride_sr, stride_sh, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP8)
 
 
 def check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,

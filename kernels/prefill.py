@@ -11,6 +11,15 @@ A streaming program whose request has no cached tokens (a fresh prompt: every ke
 step) reads its keys from the step's own K/V instead (`fresh_kv`), which a cache of the model's dtype
 holds bit for bit: contiguous rows at an address it computes, where a page-group read first loads the
 block table and then the row it names, and a program's few tiles wait on that chain one by one.
+
+Beside FlashAttention (`streaming_only`, 16-bit caches) the launch can also store the step's K/V (`store`),
+one launch a layer instead of two: each program first stores its tile's rows of its head, every head in the
+grid, and the streaming heads read this step's keys from the step's K/V, which no program waits on another to
+store:
+
+    request with 40 cached tokens, 24 new, BLOCK_Q 8:   tiles [40, 48) [48, 56) [56, 64)
+    tile [56, 64), a streaming head:  stores positions 56-63 of its head; reads the sinks and window keys
+                                      below 40 from the page groups, keys 40-63 from the step's K/V
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_format, fp8_in_fp16, load_scales,
-                                         retrieval_rows, scale_tensors, stream_rows)
+                                         retrieval_rows, scale_tensors, store_step_rows, stream_rows)
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
@@ -113,28 +122,38 @@ def chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, dtype, HEAD
 
 @triton.jit
 def streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads, stride,
-                      stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt, stride_vt, dtype,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr):
-    """A streaming key tile from the step's K/V (FRESH, `chunk_kv`) or from the page groups (`streaming_kv`)."""
-    if FRESH:
+                      stride_sb, stride_skv, stride_sr, stride_sh, key_row0, value_row0, stride_kt, stride_vt,
+                      num_cached, dtype, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      KEYS: tl.constexpr):
+    """A streaming key tile from the page groups (KEYS "pages", `streaming_kv`), the step's K/V ("step",
+    `chunk_kv`), or both ("both": positions from `num_cached` on are this step's, which the same launch stores)."""
+    if KEYS == "step":
         k, v = chunk_kv(pos, valid, key_row0, value_row0, stride_kt, stride_vt, dtype, HEAD_DIM, BLOCK_D)
-    else:
+    elif KEYS == "pages":
         k, v = streaming_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset, page_heads, stride,
                             stride_sb, stride_skv, stride_sr, stride_sh, dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+    else:
+        in_step = pos >= num_cached
+        k, v = streaming_kv(pos, valid & ~in_step, stream_ptr, table_row, head, num_streaming, stream_offset,
+                            page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, dtype, HEAD_DIM, BLOCK_D,
+                            BLOCK_SIZE)
+        k_new, v_new = chunk_kv(pos - num_cached, valid & in_step, key_row0, value_row0, stride_kt, stride_vt, dtype,
+                                HEAD_DIM, BLOCK_D)
+        k, v = tl.where(in_step[:, None], k_new, k), tl.where(in_step[:, None], v_new, v)
     return k, v
 
 
 @triton.jit
 def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row, head, num_streaming, stream_offset,
                     page_heads, stride, sink, recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
-                    key_row0, value_row0, stride_kt, stride_vt,
+                    key_row0, value_row0, stride_kt, stride_vt, num_cached,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, FRESH: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr):
     """Attend rows at positions `q_pos` in [first, last] to streaming head `head` under the Λ mask.
 
     Only two key ranges can be visible: the sinks [0, sink) and the window
     [first - recent + 1, last]; everything between is skipped (its pages may be freed).
-    FRESH: the keys come from the step's K/V (`chunk_kv`), not the page groups.
+    KEYS: where the keys come from (`streaming_tile_kv`).
     """
     offs_n = tl.arange(0, BLOCK_N)
     sink_end = tl.minimum(sink, last + 1)
@@ -143,7 +162,8 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
         valid = pos < sink_end
         k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
                                  page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
-                                 value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
+                                 value_row0, stride_kt, stride_vt, num_cached, q.dtype, HEAD_DIM, BLOCK_D,
+                                 BLOCK_SIZE, KEYS)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     for start in range(tl.maximum(sink, first - recent + 1), last + 1, BLOCK_N):
@@ -151,7 +171,8 @@ def streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
         valid = pos <= last
         k, v = streaming_tile_kv(pos, valid, stream_ptr, table_row, head, num_streaming, stream_offset,
                                  page_heads, stride, stride_sb, stride_skv, stride_sr, stride_sh, key_row0,
-                                 value_row0, stride_kt, stride_vt, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FRESH)
+                                 value_row0, stride_kt, stride_vt, num_cached, q.dtype, HEAD_DIM, BLOCK_D,
+                                 BLOCK_SIZE, KEYS)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - recent)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, True)
     return m_i, l_i, acc
@@ -173,12 +194,16 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
                     stride_vh: tl.int64,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-                    FP16: tl.constexpr, STREAMING_ONLY: tl.constexpr, FRESH_KV: tl.constexpr):
+                    FP16: tl.constexpr, STREAMING_ONLY: tl.constexpr, FRESH_KV: tl.constexpr,
+                    STORE: tl.constexpr, BLOCK_QS: tl.constexpr):
     """Grid (query tiles, heads from head_offset on): retrieval KV heads first, then streaming ones.
 
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, the output the v scale.
-    STREAMING_ONLY: no retrieval head in the grid (compiled without their path); FRESH_KV: `key_ptr`/`value_ptr`
+    STREAMING_ONLY: no retrieval head attended (compiled without their path); FRESH_KV: `key_ptr`/`value_ptr`
     are the step's K/V as the cache holds them, read by the streaming heads of requests with nothing cached.
+    STORE (with both, the grid over every head): each program first stores its tile's K/V of its head (BLOCK_QS:
+    BLOCK_Q rounded up to a power of two), a retrieval head's program only that; the streaming heads read this
+    step's keys from the step's K/V, not the page groups the launch is storing them in.
     """
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles of a prompt have the most keys: start them first
     head = tl.program_id(1) + head_offset
@@ -191,6 +216,18 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
     num_cached = tl.load(seq_lens_ptr + req) - (q_end - q_start)
     first = num_cached + t0 - q_start
     last = num_cached + tl.minimum(t0 + BLOCK_Q, q_end) - 1 - q_start
+    table_row = block_table_ptr + req * stride_table
+    if STORE:
+        offs_s = tl.arange(0, BLOCK_QS)
+        tok_s = t0 + offs_s
+        store_step_rows(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr, k_scale_ptr,
+                        v_scale_ptr, table_row, tok_s, num_cached + tok_s - q_start,
+                        (offs_s < BLOCK_Q) & (tok_s < q_end), head, num_retrieval, num_streaming, stride,
+                        stream_offset, page_heads, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv,
+                        stride_cr, stride_ch, stride_sb, stride_skv, stride_sr, stride_sh, HEAD_DIM, BLOCK_D,
+                        BLOCK_SIZE, FP8)
+        if head < num_retrieval:
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -214,7 +251,8 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table_row = block_table_ptr + req * stride_table
+    step_key_row0 = key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    step_value_row0 = value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     if retrieval:
         m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, 0, last + 1, first, cache_ptr, table_row, stride,
                                         head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
@@ -223,15 +261,20 @@ def _prefill_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, key_ptr, value_pt
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
                                         head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
                                         recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
-                                        key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh,
-                                        value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh,
-                                        stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True)
+                                        step_key_row0, step_value_row0, stride_kt, stride_vt, num_cached, HEAD_DIM,
+                                        BLOCK_D, BLOCK_N, BLOCK_SIZE, "step")
+    elif STORE:
+        m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
+                                        head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
+                                        recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
+                                        step_key_row0, step_value_row0, stride_kt, stride_vt, num_cached, HEAD_DIM,
+                                        BLOCK_D, BLOCK_N, BLOCK_SIZE, "both")
     else:
         m_i, l_i, acc = streaming_tiles(q, m_i, l_i, acc, q_pos, first, last, stream_ptr, table_row,
                                         head - num_retrieval, num_streaming, stream_offset, page_heads, stride, sink,
                                         recent, qk_scale, stride_sb, stride_skv, stride_sr, stride_sh,
-                                        key_ptr, value_ptr, stride_kt, stride_vt, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                        BLOCK_SIZE, False)
+                                        key_ptr, value_ptr, stride_kt, stride_vt, num_cached, HEAD_DIM, BLOCK_D,
+                                        BLOCK_N, BLOCK_SIZE, "pages")
     out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + tok64 * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -250,10 +293,10 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                       min_query_len: int = 1, streaming_only: bool = False, stream_cache: torch.Tensor | None = None,
                       quant: KVQuant | None = None, checked: bool = False,
-                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None, store: bool = False) -> None:
     """Duo attention of every request with at least `min_query_len` new tokens; others are left untouched.
 
-    The batch's K/V must already be in the cache (`write_kv`).
+    The batch's K/V must already be in the cache (`write_kv`), unless `store`.
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`.
@@ -269,11 +312,17 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         fresh_kv: the step's key and value (`write_kv`'s): with `streaming_only`, the streaming heads of requests
             with nothing cached read them instead of the page groups where the cache holds them unchanged (its dtype
             is theirs). Without `streaming_only` the kernel would need more shared memory than an H100 has.
+        store: the same launch stores the step's K/V of every head (`write_kv`'s work, before FlashAttention reads
+            the retrieval pages), its streaming heads reading this step's keys from `fresh_kv`: with
+            `streaming_only`, `fresh_kv` in the cache's dtype and every request (min_query_len 1).
     """
     stream_cache = check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table,
                                    checked)
     num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
-    head_offset = heads.num_retrieval if streaming_only else 0
+    fresh = streaming_only and fresh_kv is not None and fresh_kv[0].dtype == stream_cache.dtype
+    if store and not (fresh and cache.dtype == stream_cache.dtype and min_query_len == 1):
+        raise ValueError("store needs streaming_only, fresh_kv in the caches' dtype and min_query_len 1")
+    head_offset = heads.num_retrieval if streaming_only and not store else 0
     num_heads = heads.num_retrieval + heads.num_streaming - head_offset
     if num_tokens == 0 or num_reqs == 0 or num_heads == 0:
         return
@@ -282,7 +331,6 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
     block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(G))
     block_q = block_m // G
     num_tiles = num_tokens // block_q + num_reqs
-    fresh = streaming_only and fresh_kv is not None and fresh_kv[0].dtype == stream_cache.dtype
     key, value = fresh_kv if fresh else (query, query)  # unread unless fresh
     _prefill_kernel[(num_tiles, num_heads)](
         query, cache, stream_cache, output, key, value, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
@@ -294,4 +342,4 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         *stream_cache.stride()[:4], *key.stride()[:2], *value.stride()[:2],
         G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, **cfg)
+        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, STORE=store, BLOCK_QS=triton.next_power_of_2(block_q), **cfg)

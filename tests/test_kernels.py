@@ -319,6 +319,27 @@ def test_fresh_prompts_read_their_streaming_keys_from_the_step(name):
 
 
 @pytest.mark.parametrize("name", PRESETS)
+def test_the_streaming_launch_stores_the_step_as_write_kv_does(name):
+    """`store`: the streaming heads' launch also stores every head's K/V of the step, byte for byte as `write_kv`,
+    and its streaming heads read this step's keys from the step's K/V (not yet in the page groups when they run),
+    the earlier ones from the page groups: the same output bit for bit as after `write_kv`."""
+    case = make_case(PRESETS[name])
+    (written, written_stream), expected = written_caches(case), case.poisoned_output()
+    cache, stream = case.fresh_caches()
+    if case.heads.num_retrieval == 0 and stream is not None:
+        (cache, stream), (written, written_stream) = (stream, None), (written_stream, None)
+    prefill_attention(case.query, written, case.heads, case.qsl, case.sl, case.block_table, case.scale, expected,
+                      streaming_only=True, stream_cache=written_stream, fresh_kv=(case.key, case.value))
+    out = case.poisoned_output()
+    prefill_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+                      streaming_only=True, stream_cache=stream, fresh_kv=(case.key, case.value), store=True)
+    assert_caches_equal((cache, stream), (written, written_stream))
+    streaming_q = case.heads.streaming_q
+    assert torch.equal(out[:, streaming_q], expected[:, streaming_q])
+    assert out[:, case.heads.retrieval_q].isnan().all()
+
+
+@pytest.mark.parametrize("name", PRESETS)
 def test_decode_kernel_streaming_only(name):
     """With the retrieval heads left to FlashAttention (fp8 pages), decode writes the streaming heads of single-token
     requests and nothing else."""

@@ -518,8 +518,9 @@ def stand_in_flash(q, k, v, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
 @pytest.mark.parametrize("name", ["prefill_only", "chunked_mixed", "pooled_streaming"])
 def test_served_prefill_with_a_flash_stand_in(name, monkeypatch):
     """A multi-token step as gpu_attention.py serves it, on the CPU with a torch stand-in for FlashAttention-3 (float32
-    let through): the retrieval heads by the stand-in, the streaming heads by the Triton prefill, given the step's K/V
-    for fresh prompts (the call `prefill_attention` gets is spied on); the reference's output, the cache as written."""
+    let through): the retrieval heads by the stand-in, the streaming heads by the Triton prefill, given the step's K/V,
+    which that launch stores (the call `prefill_attention` gets is spied on); the reference's output, the cache as
+    written."""
     from vllm_duo import gpu_attention, vllm_seam
     from vllm_duo.kernels import attention
 
@@ -539,6 +540,7 @@ def test_served_prefill_with_a_flash_stand_in(name, monkeypatch):
     assert_caches_equal((cache, stream), written_caches(case))
     (call,) = calls
     assert call["streaming_only"] and call["fresh_kv"][0] is case.key and call["fresh_kv"][1] is case.value
+    assert call["store"]  # 16-bit caches: the streaming heads' launch stores the step, FlashAttention reads after
 
 
 # decode batches with two rows or more past a block: GQA 3, a mixed batch, 32-token pages of 3 slots, head_dim 80

@@ -35,7 +35,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       quant: KVQuant | None = None, retrieval_table: torch.Tensor | None = None,
                       flash_schedules: dict[int, torch.Tensor] | None = None,
                       retrieval_seq_lens: torch.Tensor | None = None,
-                      squeezed: Callable[[Callable | None], None] | None = None, flash_allowed: bool = True) -> None:
+                      squeezed: Callable[[Callable | None], None] | None = None, flash_allowed: bool = True,
+                      store_in_streaming: bool = True) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -55,6 +56,9 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             Triton sparse decode). At decode the window pass and then the streaming heads run beside the lookup on
             a second stream (`squeezed_decode`); a batch with prefills runs the window pass first.
         flash_allowed: False leaves FlashAttention out (`VLLM_DUO_ATTENTION=triton`).
+        store_in_streaming: in a multi-token step beside FlashAttention over 16-bit caches, the streaming heads'
+            launch stores the step's K/V (one launch fewer a layer); False stores it by `write_kv` first
+            (kernels_bench.py).
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
@@ -67,11 +71,14 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                       or retrieval_seq_lens is not None)
     two_streams = max_query_len == 1 and cache.is_cuda  # a decode step's passes side by side; elsewhere in turn
     squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
-    if not squeezed_step:  # else stored beside the lookup (squeezed_decode)
+    # a multi-token step beside FlashAttention stores its K/V in the streaming heads' launch (16-bit caches)
+    store = (store_in_streaming and by_flash and max_query_len > 1 and squeezed is None
+             and key.dtype == cache.dtype == stream_cache.dtype)
+    if not (squeezed_step or store):  # else stored beside the lookup (squeezed_decode) or by the streaming heads
         write()
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
-                                  streaming_only=by_flash, fresh_kv=(key, value))
+                                  streaming_only=by_flash, fresh_kv=(key, value), store=store)
     if not (by_flash and heads.num_retrieval):
         streaming()
         if squeezed is not None:
@@ -92,6 +99,9 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                         streaming if heads.num_streaming else None, squeezed, query.device)
     elif two_streams and heads.num_streaming and squeezed is None:
         beside(streaming, flash_part, query.device)
+    elif store:  # FlashAttention reads the retrieval pages once the streaming heads' launch stored them
+        streaming()
+        flash_part()
     else:
         window = flash_part(with_lse=squeezed is not None)
         if squeezed is not None:
