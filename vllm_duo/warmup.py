@@ -2,13 +2,12 @@
 """The steps that compile duo's Triton kernels at startup, before a request would wait on them.
 
 Triton compiles a kernel at its first launch for each set of compile-time constants. vLLM's startup runs no prefill
-through an attention backend (its profile run skips attention; CUDA graph capture runs decode batches), so a duo
-server compiled its prefill kernel while the first prompts waited: the first burst of 32 x 1k prompts waited 1.54 s
-at the median where later bursts waited 0.56 s and dense's first 0.74 s (H200, benchmarks/results/
-2026-11-30-h200-short-ttft), and vLLM's JIT monitor warned "Triton kernel JIT compilation during inference:
-_prefill_kernel". What changes from step to step (request, tile and token counts, the block table's width) is not
-specialized (each kernel's `do_not_specialize`), so a layer's kernel variants follow from its heads, its cache and the
-kind of step, and these steps launch every variant a served step can:
+through an attention backend (its profile run skips attention; CUDA graph capture runs decode batches), so without
+these steps the first prompts a server takes wait on Triton compiling duo's prefill (a first burst of 32 x 1k
+prompts took twice dense's time: benchmarks/results/2026-11-30-h200-kernels-mixed). What changes from step to
+step (request, tile and token counts, the block table's width) is not specialized (each kernel's
+`do_not_specialize`), so a layer's kernel variants follow from its heads, its cache and the kind of step, and these
+steps launch every variant a served step can:
 
     decode only, once per decode split count (1, 2, 4, ... MAX_DECODE_SPLITS: `decode_num_splits`' choices)
     a multi-token step: a decode row, a prompt from scratch, a chunk after cached tokens
