@@ -619,36 +619,31 @@ def bench_mixed(fa, rows, out_json):
 
         res["duo_write_kv_ms"] = device_ms(lambda: cache_write.write_kv(key, value, duo.cache, heads, qsl, sl,
                                                                         duo.table))
-        # each launch's host time alone (checks skipped, as duo_attention_gpu's checked calls)
-        res["launch_host_us"] = {"write_kv": host_us(lambda: cache_write.write_kv(
+        # each launch alone (checks skipped, as duo_attention_gpu's checked calls): its kernel's module and name, call
+        launches = {"write_kv": (cache_write, "_write_kv_kernel", lambda: cache_write.write_kv(
             key, value, duo.cache, heads, qsl, sl, duo.table, checked=True))}
         if max_q > 1:
             for label, store in (("streaming prefill", False), ("streaming prefill storing the step", True)):
-                res["launch_host_us"][label] = host_us(lambda store=store: prefill_attention(
+                launches[label] = (prefill_module, "_prefill_kernel", lambda store=store: prefill_attention(
                     query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
                     fresh_kv=(key, value), store=store))
+        res["launch_host_us"] = {label: host_us(call) for label, (_, _, call) in launches.items()}
         rows.append((f"mixed {T}", f"{name}: host us/launch " + ", ".join(
             f"{label} {us:.0f}" for label, us in res["launch_host_us"].items()), float("nan"), float("nan")))
         res["launcher_host_us"] = {}
         try:  # the same launches through Triton's compiled launcher alone
-            res["launcher_host_us"]["write_kv"] = launcher_host_us(cache_write, "_write_kv_kernel", lambda: (
-                cache_write.write_kv(key, value, duo.cache, heads, qsl, sl, duo.table, checked=True)))
-            if max_q > 1:
-                res["launcher_host_us"]["streaming prefill"] = launcher_host_us(
-                    prefill_module, "_prefill_kernel", lambda: prefill_attention(
-                        query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
-                        fresh_kv=(key, value)))
+            for label, (module, kernel, call) in launches.items():
+                res["launcher_host_us"][label] = launcher_host_us(module, kernel, call)
         except Exception as e:  # noqa: BLE001 - another Triton's launcher API: note it, go on
             res["launcher_host_us"]["error"] = repr(e)[:200]
         rows.append((f"mixed {T}", f"{name}: host us/launch, Triton's compiled launcher alone " + ", ".join(
             f"{label} {us:.0f}" if isinstance(us, float) else f"{label} {us}"
             for label, us in res["launcher_host_us"].items()), float("nan"), float("nan")))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
-        if max_q > 1:  # as served: the same launch stores the step's K/V
+        if max_q > 1:  # as served: the same launch stores the step's K/V; then every key from the page groups
             res["duo_streaming_prefill_storing_ms"] = device_ms(lambda: streaming(out, store=True))
             rows.append((f"mixed {T}", f"{name}: duo streaming_prefill storing the step (as served)",
                          res["duo_streaming_prefill_storing_ms"], float("nan")))
-        if max_q > 1:  # every key from the page groups, as before fresh prompts read the step's K/V
             res["duo_streaming_prefill_paged_ms"] = device_ms(lambda: streaming(out, fresh_kv=None))
             rows.append((f"mixed {T}", f"{name}: duo streaming_prefill, all keys from the page groups",
                          res["duo_streaming_prefill_paged_ms"], float("nan")))
