@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_duo.kernels.grid import next_power_of_2
 from vllm_duo.kernels.reference import FP8_FORMATS, KVQuant, LayerHeads
 
 WRITE_BLOCK_T = 16  # tokens per write program
@@ -273,5 +274,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         block_table, *scale_tensors(quant, cache),
         num_reqs, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset, stream_cache.shape[3],
         *key.stride()[:2], *value.stride()[:2], block_table.stride(0), *cache.stride()[:4], *stream_cache.stride()[:4],
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), num_warps=4)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vllm_duo.kernels.grid import cdiv, next_power_of_2
+
 MAX_BLOCK_BYTES = 256 << 20
 FUSED_ASSIGN = True  # on CUDA, assignments by `nearest_centres` (False: the chunked matmuls, as on the CPU)
 NEAREST_TILE = (128, 64, 8)  # nearest_centres on a GPU: keys and centres per tile, warps
@@ -84,9 +86,9 @@ def nearest_centres(units: torch.Tensor, centres: torch.Tensor, bf16: bool = Tru
     if T == 0:
         return labels
     block_t, block_c, warps = NEAREST_TILE if units.is_cuda else (16, 16, 4)
-    _nearest_centre_kernel[(triton.cdiv(T, block_t), H)](
+    _nearest_centre_kernel[(cdiv(T, block_t), H)](
         units, centres, labels, T, C, units.stride(0), units.stride(1), centres.stride(0), centres.stride(1),
-        labels.stride(0), HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_T=block_t, BLOCK_C=block_c,
+        labels.stride(0), HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), BLOCK_T=block_t, BLOCK_C=block_c,
         BF16=bf16, num_warps=warps)
     return labels
 

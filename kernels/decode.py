@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, load_scales, scale_tensors
+from vllm_duo.kernels.grid import cdiv, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, streaming_kv
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
@@ -259,9 +260,9 @@ def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, devic
     """
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(8 * _sm_count(device.index), max(num_reqs * num_retrieval, 1))
+    want = cdiv(8 * _sm_count(device.index), max(num_reqs * num_retrieval, 1))
     # a power of two: MAX_SPLITS is a compile-time constant, so at most 7 variants ever compile (all at warm-up)
-    return triton.next_power_of_2(max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_DECODE_SPLITS)))
+    return next_power_of_2(max(1, min(want, cdiv(max_seq_len, MIN_SPLIT_TOKENS), MAX_DECODE_SPLITS)))
 
 
 def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
@@ -293,14 +294,14 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
     if query.shape[0] == 0 or num_reqs == 0 or S + (0 if streaming_only else R) == 0:
         return
     head_dim, G = cache.shape[-1], heads.group_size
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     block_n, default_min_split, num_stages = decode_tiles(head_dim, cache.device)
     min_split = min_split or default_min_split
     # streaming heads: the sinks, then the window in chunks of whole tiles, at most STREAM_WINDOW_SPLIT keys on GPU
     # (min_split on the CPU interpreter)
     window_chunk = STREAM_WINDOW_SPLIT if cache.is_cuda else min_split
-    stream_splits = 1 + triton.cdiv(heads.recent, window_chunk) if S and heads.recent and max_num_splits > 1 else 1
-    window_split = triton.cdiv(triton.cdiv(heads.recent, max(stream_splits - 1, 1)), block_n) * block_n
+    stream_splits = 1 + cdiv(heads.recent, window_chunk) if S and heads.recent and max_num_splits > 1 else 1
+    window_split = cdiv(cdiv(heads.recent, max(stream_splits - 1, 1)), block_n) * block_n
     num_parts = max(max_num_splits, stream_splits)
     first_program = R * max_num_splits if streaming_only else 0
     # KV heads whose splits the merge combines (part_out's rows run retrieval, then streaming heads)
@@ -315,7 +316,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         R, S, heads.stride, heads.stream_offset, stream_cache.shape[3], heads.sink, heads.recent, first_program,
         *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *stream_cache.stride()[:4],
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
         MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
         num_warps=4, num_stages=num_stages)
@@ -324,4 +325,4 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
             output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
             heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
             G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,
-            MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, BLOCK_S=triton.next_power_of_2(num_parts), num_warps=8)
+            MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, BLOCK_S=next_power_of_2(num_parts), num_warps=8)

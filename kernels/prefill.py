@@ -30,6 +30,7 @@ import triton.language as tl
 
 from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_format, fp8_in_fp16, load_scales,
                                          retrieval_rows, scale_tensors, store_step_rows, stream_rows)
+from vllm_duo.kernels.grid import next_power_of_2
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
@@ -328,7 +329,7 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         return
     head_dim, G = cache.shape[-1], heads.group_size
     cfg = _prefill_config(head_dim, cache.device)
-    block_m = max(cfg.pop("BLOCK_M"), triton.next_power_of_2(G))
+    block_m = max(cfg.pop("BLOCK_M"), next_power_of_2(G))
     block_q = block_m // G
     num_tiles = num_tokens // block_q + num_reqs
     key, value = fresh_kv if fresh else (query, query)  # unread unless fresh
@@ -340,6 +341,6 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         stream_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
         *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *stream_cache.stride()[:4], *key.stride()[:2], *value.stride()[:2],
-        G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, STORE=store, BLOCK_QS=triton.next_power_of_2(block_q), **cfg)
+        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, STORE=store, BLOCK_QS=next_power_of_2(block_q), **cfg)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.decode import _sm_count, group_queries
+from vllm_duo.kernels.grid import cdiv, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E
 from vllm_duo.kernels.reference import LayerHeads
 
@@ -288,7 +289,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         raise ValueError(f"centroids {tuple(centroids.shape)} must be [contexts, {R}, C, {query.shape[-1]}], "
                          "unit last stride")
     head_dim, G = query.shape[-1], heads.group_size
-    block_g = max(16, triton.next_power_of_2(G))
+    block_g = max(16, next_power_of_2(G))
     scores = scored.scores
     logits = torch.empty(num_reqs, R, G, C, dtype=torch.float32, device=device)
     part_m, part_l = (torch.empty(num_reqs, R, tiles, block_g, dtype=torch.float32, device=device) for _ in range(2))
@@ -303,7 +304,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         *query.stride()[:2], *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3],
         *part_m.stride()[:3], *scored.band_keys.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=block_c, TILE_CHUNKS=chunks, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
+        BLOCK_D=next_power_of_2(head_dim), CONTEXTS=context_ids is not None,
         SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, BANDS=SCORE_BANDS,
         **LOGITS_LAUNCH)
     count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
@@ -312,7 +313,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         tiles, *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
         *scored.top_bands.stride(), *scored.octave_keys.stride()[:3], *scored.band_keys.stride()[:3],
         G=G, BLOCK_G=block_g, BLOCK_C=count_c, TILE_CHUNKS=chunks * block_c // count_c,
-        BLOCK_T=triton.next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None,
+        BLOCK_T=next_power_of_2(tiles), BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None,
         num_warps=4)
     return scored
 
@@ -325,12 +326,12 @@ def _score_split(rows: int, num_clusters: int, block_c: int, device: torch.devic
     """(chunks of block_c clusters per program, tiles per row): enough programs to fill the GPU
     (SCORE_PROGRAMS_PER_SM) with at most 64 tiles per row; on the CPU one chunk per tile (the interpreter tests the
     split)."""
-    chunks_needed = triton.cdiv(num_clusters, block_c)
+    chunks_needed = cdiv(num_clusters, block_c)
     if device.type != "cuda":
         return 1, chunks_needed
-    want = min(64, triton.cdiv(SCORE_PROGRAMS_PER_SM * _sm_count(device.index), max(rows, 1)))
-    chunks = max(1, triton.cdiv(chunks_needed, want))  # 1 without clusters
-    return chunks, triton.cdiv(chunks_needed, chunks)
+    want = min(64, cdiv(SCORE_PROGRAMS_PER_SM * _sm_count(device.index), max(rows, 1)))
+    chunks = max(1, cdiv(chunks_needed, want))  # 1 without clusters
+    return chunks, cdiv(chunks_needed, chunks)
 
 
 def page_scores(query: torch.Tensor, summaries: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
@@ -352,7 +353,7 @@ def page_scores(query: torch.Tensor, summaries: torch.Tensor, heads: LayerHeads,
         `[num_reqs, R, cdiv(max_blocks, stride)]` float32 bounds, -inf for pages past the context.
     """
     num_reqs, R = seq_lens.shape[0], heads.num_retrieval
-    num_pages = triton.cdiv(block_table.shape[1], heads.stride)
+    num_pages = cdiv(block_table.shape[1], heads.stride)
     scores = torch.full((num_reqs, R, num_pages), float("-inf"), dtype=torch.float32, device=query.device)
     if query.shape[0] == 0 or num_reqs == 0 or R == 0:
         return scores
@@ -360,11 +361,11 @@ def page_scores(query: torch.Tensor, summaries: torch.Tensor, heads: LayerHeads,
         raise ValueError(f"summaries {tuple(summaries.shape)} must be [num_blocks, 2, >= {R}, head_dim], "
                          "unit last stride")
     head_dim, G, block_p = query.shape[-1], heads.group_size, _score_tiles(query.device)
-    _page_scores_kernel[(num_reqs, R, triton.cdiv(num_pages, block_p))](
+    _page_scores_kernel[(num_reqs, R, cdiv(num_pages, block_p))](
         query, summaries, scores, heads.retrieval_kv, query_start_loc, seq_lens, block_table, num_pages, heads.stride,
         *query.stride()[:2], block_table.stride(0), *summaries.stride()[:3], *scores.stride()[:2],
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_P=block_p, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4)
+        G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_P=block_p, HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4)
     return scores
 
 
@@ -597,7 +598,7 @@ def gather_positions(runs: BandRuns, cluster_positions: torch.Tensor, max_select
         return selected.zero_(), runs.counts
     out_w = GATHER_SLOTS if selected.is_cuda else 16
     contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
-    _band_gather_kernel[(num_reqs, R, triton.cdiv(max_selected, out_w))](
+    _band_gather_kernel[(num_reqs, R, cdiv(max_selected, out_w))](
         runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, selected, C, max_selected,
         *runs.offsets.stride()[:2], *cluster_positions.stride()[:2], *runs.counts.stride(), *runs.ends.stride()[:3],
         *selected.stride()[:2], OUT_W=out_w, SEARCH_STEPS=C.bit_length(), CONTEXTS=context_ids is not None)
@@ -636,7 +637,7 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
         scores, scored.top_bands, scored.octave_keys, scored.band_keys, offsets, contexts, budget, above, ends, counts,
         C, tiles, max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.octave_keys.stride()[:3],
         *scored.band_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],
-        TILE=tile, BLOCK_E=min(BAND_CLUSTERS, triton.next_power_of_2(tile)), BLOCK_T=triton.next_power_of_2(tiles),
+        TILE=tile, BLOCK_E=min(BAND_CLUSTERS, next_power_of_2(tile)), BLOCK_T=next_power_of_2(tiles),
         BANDS=SCORE_BANDS, OCTAVE=BAND_OCTAVE, CONTEXTS=context_ids is not None)
     return BandRuns(above, ends, counts, offsets)
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, scale_tensors
 from vllm_duo.kernels.decode import (decode_num_splits, decode_tiles, keys_per_split, merge_parts, start_decode,
                                      store_part)
+from vllm_duo.kernels.grid import next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E, retrieval_kv, softmax_tile
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
@@ -184,7 +185,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
     if query.shape[0] == 0 or num_reqs == 0 or R == 0:
         return
     head_dim, G, max_selected = cache.shape[-1], heads.group_size, selected.shape[-1]
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     block_n, default_min_split, num_stages = decode_tiles(head_dim, cache.device)
     min_split = min_split or default_min_split
     if max_num_splits is None:
@@ -199,7 +200,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         scale * LOG2E, R, heads.stride, sink, recent,
         max_selected, *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *selected.stride()[:2], *num_selected.stride(),
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
         FP16=fp8_in_fp16(cache, query), CONTEXT_ENDS=context_ends is not None, num_warps=4, num_stages=num_stages)
     if max_num_splits > 1:
@@ -208,7 +209,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
             seq_lens if context_ends is None else context_ends, R, sink, recent, max_selected, *output.stride()[:2],
             *num_selected.stride(),
             G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, MIN_SPLIT=min_split,
-            BLOCK_S=triton.next_power_of_2(max_num_splits), CONTEXT_ENDS=context_ends is not None, num_warps=4)
+            BLOCK_S=next_power_of_2(max_num_splits), CONTEXT_ENDS=context_ends is not None, num_warps=4)
 
 
 def check_selection(selected: torch.Tensor, num_selected: torch.Tensor, num_reqs: int, num_retrieval: int,
