@@ -450,9 +450,10 @@ def host_us(fn, calls: int = 40, repeats: int = 5) -> float:
     return sorted(times)[repeats // 2]
 
 
-def launcher_host_us(module, name: str, call) -> float:
-    """Host us of kernel `name`'s launch in `call` through Triton's compiled launcher alone: the kernel `call`
-    launches, with the same arguments, without the binder that specializes them and looks the kernel up."""
+def launcher_host_us(module, name: str, call) -> tuple[float, float]:
+    """Host us of kernel `name`'s launch in `call` through Triton's compiled launcher: alone (the kernel `call`
+    launches, with the same arguments, without the binder that specializes them and looks the kernel up), and after
+    Triton's binder (the specialization a launch cached by it would compute, without the rest of `JITFunction.run`)."""
     kernel, seen = getattr(module, name), {}
 
     class Grab:
@@ -467,7 +468,12 @@ def launcher_host_us(module, name: str, call) -> float:
     bound.update({key: value for key, value in seen["kwargs"].items() if key in params})
     launch = compiled[seen["grid"]]
     ordered = [bound[param] for param in params]
-    return host_us(lambda: launch(*ordered))
+    binder = kernel.device_caches[triton.runtime.driver.active.get_current_device()][4]
+
+    def bound_launch():
+        launch(*binder(*seen["args"], **seen["kwargs"])[0].values())
+
+    return host_us(lambda: launch(*ordered)), host_us(bound_launch)
 
 
 def device_ms(fn) -> float:
@@ -630,15 +636,18 @@ def bench_mixed(fa, rows, out_json):
         res["launch_host_us"] = {label: host_us(call) for label, (_, _, call) in launches.items()}
         rows.append((f"mixed {T}", f"{name}: host us/launch " + ", ".join(
             f"{label} {us:.0f}" for label, us in res["launch_host_us"].items()), float("nan"), float("nan")))
-        res["launcher_host_us"] = {}
-        try:  # the same launches through Triton's compiled launcher alone
+        res["launcher_host_us"], res["binder_launcher_host_us"] = {}, {}
+        try:  # the same launches through Triton's compiled launcher, alone and after Triton's binder
             for label, (module, kernel, call) in launches.items():
-                res["launcher_host_us"][label] = launcher_host_us(module, kernel, call)
+                res["launcher_host_us"][label], res["binder_launcher_host_us"][label] = launcher_host_us(
+                    module, kernel, call)
         except Exception as e:  # noqa: BLE001 - another Triton's launcher API: note it, go on
             res["launcher_host_us"]["error"] = repr(e)[:200]
-        rows.append((f"mixed {T}", f"{name}: host us/launch, Triton's compiled launcher alone " + ", ".join(
-            f"{label} {us:.0f}" if isinstance(us, float) else f"{label} {us}"
-            for label, us in res["launcher_host_us"].items()), float("nan"), float("nan")))
+        for key, what in (("launcher_host_us", "Triton's compiled launcher alone"),
+                          ("binder_launcher_host_us", "Triton's binder + compiled launcher")):
+            rows.append((f"mixed {T}", f"{name}: host us/launch, {what} " + ", ".join(
+                f"{label} {us:.0f}" if isinstance(us, float) else f"{label} {us}"
+                for label, us in res[key].items()), float("nan"), float("nan")))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         if max_q > 1:  # as served: the same launch stores the step's K/V; then every key from the page groups
             res["duo_streaming_prefill_storing_ms"] = device_ms(lambda: streaming(out, store=True))
