@@ -466,7 +466,7 @@ def launcher_host_us(module, name: str, call) -> tuple[float, float]:
     params = inspect.signature(kernel.fn).parameters
     bound = dict(zip(params, seen["args"]))
     bound.update({key: value for key, value in seen["kwargs"].items() if key in params})
-    launch = compiled[seen["grid"]]
+    launch = compiled[tuple(seen["grid"]) + (1,) * (3 - len(seen["grid"]))]  # the compiled launcher takes 3 dims
     ordered = [bound[param] for param in params]
     binder = kernel.device_caches[triton.runtime.driver.active.get_current_device()][4]
 
@@ -643,11 +643,11 @@ def bench_mixed(fa, rows, out_json):
                     module, kernel, call)
         except Exception as e:  # noqa: BLE001 - another Triton's launcher API: note it, go on
             res["launcher_host_us"]["error"] = repr(e)[:200]
-        for key, what in (("launcher_host_us", "Triton's compiled launcher alone"),
+        for field, what in (("launcher_host_us", "Triton's compiled launcher alone"),
                           ("binder_launcher_host_us", "Triton's binder + compiled launcher")):
             rows.append((f"mixed {T}", f"{name}: host us/launch, {what} " + ", ".join(
                 f"{label} {us:.0f}" if isinstance(us, float) else f"{label} {us}"
-                for label, us in res[key].items()), float("nan"), float("nan")))
+                for label, us in res[field].items()), float("nan"), float("nan")))
         res["duo_streaming_prefill_ms"] = device_ms(lambda: streaming(out))
         if max_q > 1:  # as served: the same launch stores the step's K/V; then every key from the page groups
             res["duo_streaming_prefill_storing_ms"] = device_ms(lambda: streaming(out, store=True))
