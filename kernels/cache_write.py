@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.grid import next_power_of_2
+from vllm_duo.kernels.launch import launch, next_power_of_2
 from vllm_duo.kernels.reference import FP8_FORMATS, KVQuant, LayerHeads
 
 WRITE_BLOCK_T = 16  # tokens per write program
@@ -269,7 +269,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         return
     head_dim = cache.shape[-1]
     grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads)
-    _write_kv_kernel[grid](
+    launch(_write_kv_kernel, grid)(
         key, value, cache, stream_cache, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
         block_table, *scale_tensors(quant, cache),
         num_reqs, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset, stream_cache.shape[3],

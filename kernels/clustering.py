@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.grid import cdiv, next_power_of_2
+from vllm_duo.kernels.launch import cdiv, launch, next_power_of_2
 
 MAX_BLOCK_BYTES = 256 << 20
 FUSED_ASSIGN = True  # on CUDA, assignments by `nearest_centres` (False: the chunked matmuls, as on the CPU)
@@ -86,7 +86,7 @@ def nearest_centres(units: torch.Tensor, centres: torch.Tensor, bf16: bool = Tru
     if T == 0:
         return labels
     block_t, block_c, warps = NEAREST_TILE if units.is_cuda else (16, 16, 4)
-    _nearest_centre_kernel[(cdiv(T, block_t), H)](
+    launch(_nearest_centre_kernel, (cdiv(T, block_t), H))(
         units, centres, labels, T, C, units.stride(0), units.stride(1), centres.stride(0), centres.stride(1),
         labels.stride(0), HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), BLOCK_T=block_t, BLOCK_C=block_c,
         BF16=bf16, num_warps=warps)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, load_scales, scale_tensors
-from vllm_duo.kernels.grid import cdiv, next_power_of_2
+from vllm_duo.kernels.launch import cdiv, launch, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, streaming_kv
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
@@ -310,7 +310,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
     if merged:
         part_out = torch.empty(num_reqs, (R + S) * G, num_parts, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, (R + S) * G, num_parts, dtype=torch.float32, device=cache.device)
-    _decode_kernel[(num_reqs, R * max_num_splits + S * stream_splits - first_program)](
+    launch(_decode_kernel, (num_reqs, R * max_num_splits + S * stream_splits - first_program))(
         query, cache, stream_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
         query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
         R, S, heads.stride, heads.stream_offset, stream_cache.shape[3], heads.sink, heads.recent, first_program,
@@ -321,7 +321,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
         num_warps=4, num_stages=num_stages)
     if merged:
-        _merge_kernel[(num_reqs, len(merged) * G)](
+        launch(_merge_kernel, (num_reqs, len(merged) * G))(
             output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
             heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
             G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,

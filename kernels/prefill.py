@@ -30,7 +30,7 @@ import triton.language as tl
 
 from vllm_duo.kernels.cache_write import (check_attention, find_request, fp8_format, fp8_in_fp16, load_scales,
                                          retrieval_rows, scale_tensors, store_step_rows, stream_rows)
-from vllm_duo.kernels.grid import next_power_of_2
+from vllm_duo.kernels.launch import launch, next_power_of_2
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
 LOG2E = 1.4426950408889634
@@ -333,7 +333,7 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
     block_q = block_m // G
     num_tiles = num_tokens // block_q + num_reqs
     key, value = fresh_kv if fresh else (query, query)  # unread unless fresh
-    _prefill_kernel[(num_tiles, num_heads)](
+    launch(_prefill_kernel, (num_tiles, num_heads))(
         query, cache, stream_cache, output, key, value, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
         seq_lens,
         block_table, *scale_tensors(quant, cache), scale * LOG2E,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import as_scale, fp8_grid
-from vllm_duo.kernels.grid import cdiv, next_power_of_2
+from vllm_duo.kernels.launch import cdiv, launch, next_power_of_2
 from vllm_duo.kernels.reference import FP8_FORMATS, LayerHeads
 
 QUANT_BLOCK_T = 16  # tokens per program
@@ -56,7 +56,7 @@ def retrieval_queries(query: torch.Tensor, heads: LayerHeads, fp8_dtype: torch.d
     num_out = heads.retrieval_q.numel()
     out = torch.empty(num_tokens, num_out, head_dim, dtype=fp8_dtype, device=query.device)
     if num_tokens and num_out:
-        _quantize_kernel[(cdiv(num_tokens, QUANT_BLOCK_T), num_out)](
+        launch(_quantize_kernel, (cdiv(num_tokens, QUANT_BLOCK_T), num_out))(
             query, heads.retrieval_q, out, as_scale(q_scale, query.device), num_tokens, num_out,
             query.stride(0), query.stride(1), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
             BLOCK_T=QUANT_BLOCK_T, FP8=FP8_FORMATS[fp8_dtype], num_warps=4)

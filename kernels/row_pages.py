@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.grid import cdiv, next_power_of_2
+from vllm_duo.kernels.launch import cdiv, launch, next_power_of_2
 from vllm_duo.kernels.reference import LayerHeads
 from vllm_duo.kernels.selection import BandRuns, _context_of, _run_positions
 
@@ -122,7 +122,7 @@ def run_pages(runs: BandRuns, cluster_positions: torch.Tensor, context_ids: torc
         return pages, lens, starts.zero_()
     slots = PAGE_SLOTS if device.type == "cuda" else 128  # the interpreter: few programs, several per list
     contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
-    _run_pages_kernel[(num_reqs, R, cdiv(list_len, slots))](
+    launch(_run_pages_kernel, (num_reqs, R, cdiv(list_len, slots)))(
         runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, context_ends, seq_lens,
         block_table, pages, lens, starts, C, R, heads.stride, sink, max_selected, window, list_len,
         cache.stride(0) // cache.shape[-1],
@@ -193,7 +193,7 @@ def merge_rows(output: torch.Tensor, window_lse: torch.Tensor, rows_out: torch.T
     if num_reqs == 0 or R == 0:
         return
     head_dim = output.shape[-1]
-    _merge_rows_kernel[(num_reqs, R * G)](
+    launch(_merge_rows_kernel, (num_reqs, R * G))(
         output, window_lse, rows_out, rows_lse, heads.retrieval_q, query_start_loc, context_ends, window_lens, R,
         *output.stride()[:2], *window_lse.stride(), *rows_out.stride()[:2], *rows_lse.stride(),
         G=G, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), num_warps=1)

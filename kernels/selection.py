@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.decode import _sm_count, group_queries
-from vllm_duo.kernels.grid import cdiv, next_power_of_2
+from vllm_duo.kernels.launch import cdiv, launch, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E
 from vllm_duo.kernels.reference import LayerHeads
 
@@ -298,7 +298,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
     # without context ids, scales or radii the kernels read none: `scores` stands in for the pointer
     scales = scores if centroid_scales is None else centroid_scales
     contexts = scores if context_ids is None else context_ids
-    _centroid_logits_kernel[(num_reqs, R, tiles)](
+    launch(_centroid_logits_kernel, (num_reqs, R, tiles))(
         query, centroids, scales, sizes, scores if radii is None else radii, contexts, logits, part_m, part_l,
         scored.band_keys, heads.retrieval_kv, query_start_loc, scale * LOG2E, radius_weight * scale * LOG2E, C,
         *query.stride()[:2], *centroids.stride()[:3], *scales.stride()[:2], *sizes.stride()[:2], *logits.stride()[:3],
@@ -308,7 +308,7 @@ def centroid_scores(query: torch.Tensor, centroids: torch.Tensor, sizes: torch.T
         SCALED=centroid_scales is not None, RADII=radii is not None and radius_weight > 0, BANDS=SCORE_BANDS,
         **LOGITS_LAUNCH)
     count_c = min(BAND_COUNT_CLUSTERS, block_c)  # a divisor of the tile's clusters
-    _centroid_scores_kernel[(num_reqs, R, tiles)](
+    launch(_centroid_scores_kernel, (num_reqs, R, tiles))(
         logits, part_m, part_l, sizes, contexts, scores, scored.top_bands, scored.octave_keys, scored.band_keys, C,
         tiles, *logits.stride()[:3], *part_m.stride()[:3], *sizes.stride()[:2], *scores.stride()[:2],
         *scored.top_bands.stride(), *scored.octave_keys.stride()[:3], *scored.band_keys.stride()[:3],
@@ -361,7 +361,7 @@ def page_scores(query: torch.Tensor, summaries: torch.Tensor, heads: LayerHeads,
         raise ValueError(f"summaries {tuple(summaries.shape)} must be [num_blocks, 2, >= {R}, head_dim], "
                          "unit last stride")
     head_dim, G, block_p = query.shape[-1], heads.group_size, _score_tiles(query.device)
-    _page_scores_kernel[(num_reqs, R, cdiv(num_pages, block_p))](
+    launch(_page_scores_kernel, (num_reqs, R, cdiv(num_pages, block_p)))(
         query, summaries, scores, heads.retrieval_kv, query_start_loc, seq_lens, block_table, num_pages, heads.stride,
         *query.stride()[:2], block_table.stride(0), *summaries.stride()[:3], *scores.stride()[:2],
         G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_P=block_p, HEAD_DIM=head_dim,
@@ -598,7 +598,7 @@ def gather_positions(runs: BandRuns, cluster_positions: torch.Tensor, max_select
         return selected.zero_(), runs.counts
     out_w = GATHER_SLOTS if selected.is_cuda else 16
     contexts = runs.counts if context_ids is None else context_ids  # without context ids the kernel reads none
-    _band_gather_kernel[(num_reqs, R, cdiv(max_selected, out_w))](
+    launch(_band_gather_kernel, (num_reqs, R, cdiv(max_selected, out_w)))(
         runs.offsets, cluster_positions, contexts, runs.above, runs.ends, runs.counts, selected, C, max_selected,
         *runs.offsets.stride()[:2], *cluster_positions.stride()[:2], *runs.counts.stride(), *runs.ends.stride()[:3],
         *selected.stride()[:2], OUT_W=out_w, SEARCH_STEPS=C.bit_length(), CONTEXTS=context_ids is not None)
@@ -633,7 +633,7 @@ def band_runs(scored: ClusterScores, cluster_offsets: torch.Tensor, budget: torc
     tiles = scored.band_keys.shape[2]
     contexts = scores if context_ids is None else context_ids  # without context ids the kernel reads none
     tile = scored.tile_clusters
-    _band_ends_kernel[(num_reqs, R, tiles)](
+    launch(_band_ends_kernel, (num_reqs, R, tiles))(
         scores, scored.top_bands, scored.octave_keys, scored.band_keys, offsets, contexts, budget, above, ends, counts,
         C, tiles, max_selected, *scores.stride()[:2], *scored.top_bands.stride(), *scored.octave_keys.stride()[:3],
         *scored.band_keys.stride()[:3], *offsets.stride()[:2], *budget.stride(), *counts.stride(), *ends.stride()[:3],

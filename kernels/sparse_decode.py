@@ -24,7 +24,7 @@ import triton.language as tl
 from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, scale_tensors
 from vllm_duo.kernels.decode import (decode_num_splits, decode_tiles, keys_per_split, merge_parts, start_decode,
                                      store_part)
-from vllm_duo.kernels.grid import next_power_of_2
+from vllm_duo.kernels.launch import launch, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E, retrieval_kv, softmax_tile
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 
@@ -194,7 +194,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
     if max_num_splits > 1:
         part_out = torch.empty(num_reqs, R * G, max_num_splits, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, R * G, max_num_splits, dtype=torch.float32, device=cache.device)
-    _sparse_decode_kernel[(num_reqs, R * max_num_splits)](
+    launch(_sparse_decode_kernel, (num_reqs, R * max_num_splits))(
         query, cache, output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
         selected, num_selected, seq_lens if context_ends is None else context_ends, *scale_tensors(quant, cache),
         scale * LOG2E, R, heads.stride, sink, recent,
@@ -204,7 +204,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
         FP16=fp8_in_fp16(cache, query), CONTEXT_ENDS=context_ends is not None, num_warps=4, num_stages=num_stages)
     if max_num_splits > 1:
-        _sparse_merge_kernel[(num_reqs, R * G)](
+        launch(_sparse_merge_kernel, (num_reqs, R * G))(
             output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, num_selected,
             seq_lens if context_ends is None else context_ends, R, sink, recent, max_selected, *output.stride()[:2],
             *num_selected.stride(),

@@ -244,17 +244,6 @@ def written_caches(case: Case, quant: KVQuant | None = None) -> tuple[torch.Tens
     return cache, stream
 
 
-def test_launch_shape_arithmetic_matches_tritons():
-    """kernels/grid.py's plain-Python cdiv and next_power_of_2 give Triton's results (the launch shapes, and so the
-    compiled kernels, stay those Triton's own helpers chose)."""
-    from vllm_duo.kernels.grid import cdiv, next_power_of_2
-    values = [*range(1, 300), 511, 512, 513, 4095, 4096, 4097, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 1, 10 ** 12]
-    for n in values:
-        assert next_power_of_2(n) == triton.next_power_of_2(n), n
-        for d in (1, 2, 3, 16, 64, 100, 2 ** 20):
-            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
-
-
 @pytest.mark.parametrize("name", PRESETS)
 def test_cache_write(name):
     """One launch writes both kinds, byte for byte as the reference's per-request writes."""
