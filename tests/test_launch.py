@@ -161,3 +161,27 @@ def test_launch_shape_arithmetic_matches_tritons():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 16, 64, 100, 2 ** 20):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@triton.jit
+def _scaled_copy_kernel(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale, mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_launches_through_the_compiled_kernel_compute_what_tritons_do(monkeypatch):
+    """On a GPU: the second launch of a specialization goes to the compiled kernel (Triton's dispatch is not
+    called), with every argument where the kernel reads it; a misaligned view goes through Triton once."""
+    monkeypatch.setattr(launch_module, "_COMPILED", {})
+    through_triton = []
+    triton_run = _scaled_copy_kernel.run
+    monkeypatch.setattr(_scaled_copy_kernel, "run", lambda *a, **k: through_triton.append(1) or triton_run(*a, **k))
+    x = torch.randn(4096, device="cuda")
+    for n, scale, offset in ((4000, 2.0, 0), (1000, -3.0, 0), (1000, 0.5, 16), (999, 1.5, 1), (999, 4.0, 1)):
+        src, dst = x[offset:], torch.zeros(4096 - offset, device="cuda")
+        launch(_scaled_copy_kernel, (launch_module.cdiv(n, 256),))(src, dst, n, scale, BLOCK=256)
+        torch.testing.assert_close(dst[:n], src[:n] * scale)
+        assert (dst[n:] == 0).all()
+    # through Triton: n a multiple of 16; n not one; a misaligned source (a 64-byte offset keeps the alignment)
+    assert len(through_triton) == 3
