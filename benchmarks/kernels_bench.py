@@ -451,9 +451,9 @@ def host_us(fn, calls: int = 40, repeats: int = 5) -> float:
 
 
 def launcher_host_us(module, name: str, call) -> tuple[float, float]:
-    """Host us of kernel `name`'s launch in `call` through Triton's compiled launcher: alone (the kernel `call`
-    launches, with the same arguments, without the binder that specializes them and looks the kernel up), and after
-    Triton's binder (the specialization a launch cached by it would compute, without the rest of `JITFunction.run`)."""
+    """Host us of kernel `name`'s launch in `call`, with the same arguments, two ways: through Triton's JIT dispatch
+    (`kernel[grid](...)`: binder, key, lookup, checks; what `kernels/launch.py` skips after a specialization's first
+    launch) and through Triton's compiled launcher alone (no binder, no lookup)."""
     kernel, seen = getattr(module, name), {}
 
     class Grab:
@@ -462,18 +462,14 @@ def launcher_host_us(module, name: str, call) -> tuple[float, float]:
 
     with patch.object(module, name, Grab()):
         call()
-    compiled = kernel[seen["grid"]](*seen["args"], **seen["kwargs"])
+    grid, args, kwargs = seen["grid"], seen["args"], seen["kwargs"]
+    compiled = kernel[grid](*args, **kwargs)
     params = inspect.signature(kernel.fn).parameters
-    bound = dict(zip(params, seen["args"]))
-    bound.update({key: value for key, value in seen["kwargs"].items() if key in params})
-    launch = compiled[tuple(seen["grid"]) + (1,) * (3 - len(seen["grid"]))]  # the compiled launcher takes 3 dims
+    bound = dict(zip(params, args))
+    bound.update({key: value for key, value in kwargs.items() if key in params})
+    launcher = compiled[tuple(grid) + (1,) * (3 - len(grid))]  # the compiled launcher takes 3 dims
     ordered = [bound[param] for param in params]
-    binder = kernel.device_caches[triton.runtime.driver.active.get_current_device()][4]
-
-    def bound_launch():
-        launch(*binder(*seen["args"], **seen["kwargs"])[0].values())
-
-    return host_us(lambda: launch(*ordered)), host_us(bound_launch)
+    return host_us(lambda: kernel[grid](*args, **kwargs)), host_us(lambda: launcher(*ordered))
 
 
 def device_ms(fn) -> float:
@@ -634,17 +630,17 @@ def bench_mixed(fa, rows, out_json):
                     query, duo.cache, heads, qsl, sl, duo.table, SCALE, out, streaming_only=True, checked=True,
                     fresh_kv=(key, value), store=store))
         res["launch_host_us"] = {label: host_us(call) for label, (_, _, call) in launches.items()}
-        rows.append((f"mixed {T}", f"{name}: host us/launch " + ", ".join(
+        rows.append((f"mixed {T}", f"{name}: host us/launch as served (kernels/launch.py) " + ", ".join(
             f"{label} {us:.0f}" for label, us in res["launch_host_us"].items()), float("nan"), float("nan")))
-        res["launcher_host_us"], res["binder_launcher_host_us"] = {}, {}
-        try:  # the same launches through Triton's compiled launcher, alone and after Triton's binder
+        res["triton_dispatch_host_us"], res["launcher_host_us"] = {}, {}
+        try:  # the same launches through Triton's JIT dispatch, and through its compiled launcher alone
             for label, (module, kernel, call) in launches.items():
-                res["launcher_host_us"][label], res["binder_launcher_host_us"][label] = launcher_host_us(
+                res["triton_dispatch_host_us"][label], res["launcher_host_us"][label] = launcher_host_us(
                     module, kernel, call)
         except Exception as e:  # noqa: BLE001 - another Triton's launcher API: note it, go on
             res["launcher_host_us"]["error"] = repr(e)[:200]
-        for field, what in (("launcher_host_us", "Triton's compiled launcher alone"),
-                          ("binder_launcher_host_us", "Triton's binder + compiled launcher")):
+        for field, what in (("triton_dispatch_host_us", "Triton's JIT dispatch, kernel[grid]"),
+                            ("launcher_host_us", "Triton's compiled launcher alone")):
             rows.append((f"mixed {T}", f"{name}: host us/launch, {what} " + ", ".join(
                 f"{label} {us:.0f}" if isinstance(us, float) else f"{label} {us}"
                 for label, us in res[field].items()), float("nan"), float("nan")))
