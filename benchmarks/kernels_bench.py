@@ -583,10 +583,11 @@ def bench_mixed(fa, rows, out_json):
         # count and reused by the others (the common case, timed as "duo layer"); made on every call: a row below
         schedules = {}
 
-        def duo_layer(make_schedule=False, store_in_streaming=True):
+        # as served, the inputs checked at the layer's first call and the batch at the step's build (`checked`)
+        def duo_layer(make_schedule=False, store_in_streaming=True, checked=True):
             duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
                               retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules,
-                              store_in_streaming=store_in_streaming)
+                              store_in_streaming=store_in_streaming, checked=checked)
 
         dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
         if fa.version == 3:
@@ -606,6 +607,9 @@ def bench_mixed(fa, rows, out_json):
         for side, fn in (("duo", duo_layer), ("dense", dense_layer)):
             res[f"{side}_device_ms"] = device_ms(fn)
             res[f"{side}_host_us"] = host_us(fn)
+        res["duo_host_us_checking_every_call"] = host_us(lambda: duo_layer(checked=False))
+        rows.append((f"mixed {T}", f"{name}: duo layer checking its inputs every call, host us/call "
+                     f"{res['duo_host_us_checking_every_call']:.0f}", float("nan"), float("nan")))
         if max_q > 1:  # the step's K/V stored by its own launch first (write_kv), not by the streaming heads'
             apart = functools.partial(duo_layer, store_in_streaming=False)
             res["duo_stored_apart_device_ms"], res["duo_stored_apart_host_us"] = device_ms(apart), host_us(apart)

@@ -53,17 +53,18 @@ def write_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cach
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                output: torch.Tensor, max_seq_len: int, max_num_splits: int | None,
                stream_cache: torch.Tensor | None, quant: KVQuant | None,
-               write: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Check a layer call's inputs once and store its new K/V (unless not `write`: the caller stores them later, by
-    `write_kv` with these caches); returns the caches to attend over (a layer without retrieval heads reads no pages
-    of its own: its cache may be a stub) and the decode splits."""
+               write: bool = True, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Check a layer call's inputs once (unless the caller has: `checked`) and store its new K/V (unless not `write`:
+    the caller stores them later, by `write_kv` with these caches); returns the caches to attend over (a layer without
+    retrieval heads reads no pages of its own: its cache may be a stub) and the decode splits."""
     stream_cache = cache if stream_cache is None else stream_cache
     if heads.num_retrieval == 0:
         cache = stream_cache
     if max_num_splits is None:
         max_num_splits = decode_num_splits(seq_lens.shape[0], heads.num_retrieval, max_seq_len, cache.device)
-    check_tokens(cache, key, value)
-    check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
+    if not checked:
+        check_tokens(cache, key, value)
+        check_attention(query, output, cache, stream_cache, heads, query_start_loc, seq_lens, block_table)
     if write:
         write_kv(key, value, cache, heads, query_start_loc, seq_lens, block_table, stream_cache, quant, checked=True)
     return cache, stream_cache, max_num_splits

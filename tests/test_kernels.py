@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its CPU interpreter without a GPU)")
 
 from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
+from vllm_duo.kernels import attention  # noqa: E402
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.cache_write import write_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
@@ -635,6 +636,31 @@ def test_rejects_int64_metadata():
     case = make_case(PRESETS["decode_mha"])
     with pytest.raises(ValueError, match="int32"):
         write_kv(case.key, case.value, case.cache, case.heads, case.qsl.long(), case.sl, case.block_table)
+
+
+def test_checked_calls_skip_the_input_checks(monkeypatch):
+    """duo_attention_gpu checks its inputs unless its caller has (`checked`: the backend after a layer's first call,
+    with the batch checked at each step's build), and attends the same either way."""
+    case = make_case(PRESETS["chunked_mixed"])
+    ref, ref_caches = case.reference()
+    lens = [b - a for a, b in zip(case.query_start_loc, case.query_start_loc[1:])]
+
+    def refuse(*args, **kwargs):
+        raise ValueError("checked again")
+
+    def step(checked: bool):
+        cache, stream = case.fresh_caches()
+        out = case.poisoned_output()
+        duo_attention_gpu(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table,
+                          case.scale, out, max(lens), max(case.seq_lens), stream_cache=stream, checked=checked)
+        return out, (cache, stream)
+
+    monkeypatch.setattr(attention, "check_attention", refuse)
+    with pytest.raises(ValueError, match="checked again"):
+        step(checked=False)
+    out, caches = step(checked=True)
+    assert_close(out, ref, torch.float32)
+    assert_caches_equal(caches, ref_caches)
 
 
 CUDA = torch.device("cuda")

@@ -37,6 +37,7 @@ from vllm.v1.attention.backend import (
 from vllm_duo import DUO_BLOCK_SIZE, vllm_seam
 from vllm_duo.config import DuoSettings, LayerPlan, ServingPlan, attention_path, serving_plan
 from vllm_duo.gpu_attention import duo_attention_gpu
+from vllm_duo.kernels.cache_write import check_batch
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
 from vllm_duo.reorder import reorder_heads
@@ -212,6 +213,8 @@ class DuoAttentionMetadataBuilder(AttentionMetadataBuilder[DuoAttentionMetadata]
             retrieval_table = self.retrieval_table[:num_reqs]
             pages = block_table[:, ::self.stride]
             retrieval_table[:, :pages.shape[1]].copy_(pages[:, :retrieval_table.shape[1]])
+        if not on_host:  # for every layer of the step: each skips the check (DuoAttentionImpl.forward)
+            check_batch(cam.query_start_loc[: num_reqs + 1], cam.seq_lens[:num_reqs], block_table, self.device)
         squeeze = None if self.contexts is None else self._squeeze_rows(cam)
         if squeeze is not None and self.window_table is not None:  # FlashAttention reads the squeezed rows' windows
             window_table = self.window_table[:num_reqs]
@@ -280,6 +283,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.heads: LayerHeads | None = None  # bound at load (bind_duo_layers), with the streaming host
         self.stream_host = None
         self.contexts: ClusteredContexts | None = None  # and the squeeze's store, where it is on
+        self.checked_pages: int | None = None  # the cache whose layer call passed duo_attention_gpu's checks
 
     def bind(self, index: int, layer: LayerPlan, stream_host, reordered: bool, device: torch.device) -> None:
         """This layer's heads as the kernels read them, and the `Attention` layer whose cache holds its page groups
@@ -363,11 +367,16 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
                 squeezed = functools.partial(self.contexts.decode, self.layer_index, q, kv_cache, heads,
                                              m.query_start_loc, m.seq_lens, m.block_table, self.scale, out, squeeze,
                                              quant)
+            # the caches and the token views' layout are the layer's own every step: checked at its first call (the
+            # batch at every step's build)
+            pages = kv_cache.data_ptr()
             duo_attention_gpu(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
                               out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache, quant=quant,
                               retrieval_table=m.retrieval_table, flash_schedules=m.flash_schedules,
                               retrieval_seq_lens=None if squeeze is None else squeeze.flash_seq_lens,
-                              squeezed=squeezed, flash_allowed=ATTENTION_PATH == "flash")
+                              squeezed=squeezed, flash_allowed=ATTENTION_PATH == "flash",
+                              checked=pages == self.checked_pages)
+            self.checked_pages = pages
         else:
             quant = self._quant(layer, on_host=True)
             duo_attention(q, k, v, kv_cache, heads, m.query_start_loc_host, m.seq_lens_host, m.block_table,

@@ -36,7 +36,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       flash_schedules: dict[int, torch.Tensor] | None = None,
                       retrieval_seq_lens: torch.Tensor | None = None,
                       squeezed: Callable[[Callable | None], None] | None = None, flash_allowed: bool = True,
-                      store_in_streaming: bool = True) -> None:
+                      store_in_streaming: bool = True, checked: bool = False) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -59,10 +59,12 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         store_in_streaming: in a multi-token step beside FlashAttention over 16-bit caches, the streaming heads'
             launch stores the step's K/V (one launch fewer a layer); False stores it by `write_kv` first
             (kernels_bench.py).
+        checked: the caller has checked these inputs as `write_step` does (the backend: a layer's caches and token
+            layout at its first call, the batch once a step), which costs host time every layer of an eager step.
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
-                                                     quant, write=False)
+                                                     quant, write=False, checked=checked)
     write = functools.partial(write_kv, key, value, cache, heads, query_start_loc, seq_lens, block_table,
                               stream_cache, quant, checked=True)
     flash = (vllm_seam.flash_attn_varlen(cache.device)
