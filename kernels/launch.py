@@ -2,11 +2,12 @@
 """Kernel launches from the host: launch-shape arithmetic, and launches that skip Triton's per-call dispatch.
 
 Eager steps (prefills, mixed batches) launch duo's kernels once per layer, outside CUDA graphs, and there the host
-time of a launch adds to every step whose kernels are short. `kernel[grid](...)` costs 45-86 us on the H100 host:
-Triton's binder specializes the arguments, then `JITFunction.run` builds a cache key (with `str(options)`), looks
-the kernel up, checks its globals and packs launch metadata for the hooks; the compiled launcher itself takes
-11-22 us, and the binder plus it 22-49 (kernels_bench.py --mixed, benchmarks/results/2026-12-06-h100-issue32).
-`launch` keeps Triton's binder, so it picks exactly the compiled kernel Triton would, and launches it directly.
+time of a launch adds to every step whose kernels are short. `kernel[grid](...)`: Triton's binder specializes the
+arguments, then `JITFunction.run` builds a cache key (with `str(options)`), looks the kernel up, checks its globals
+and packs launch metadata for the hooks. `launch` keeps Triton's binder, so it picks exactly the compiled kernel
+Triton would, and launches it directly. On an H100 host that saves about what duo's Python wrapper around a launch
+costs: 35-37 us a launch as served against 31-34 for the bare `kernel[grid]` and 10-12 for the compiled launcher
+alone; the binder is most of the rest (kernels_bench.py --mixed, benchmarks/results/2026-12-06-h100-launch).
 
 Triton 3.5+'s `triton.cdiv` and `triton.next_power_of_2` are constexpr functions: called from host code each
 unwraps its arguments first, about a microsecond a call; the plain-Python ones below give the same numbers.
