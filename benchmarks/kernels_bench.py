@@ -96,7 +96,7 @@ def _import_kernels_from_checkout() -> None:
 
 
 _import_kernels_from_checkout()
-from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
+from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_pages  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits  # noqa: E402
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
 from vllm_duo.kernels import cache_write  # noqa: E402
@@ -583,11 +583,15 @@ def bench_mixed(fa, rows, out_json):
         # count and reused by the others (the common case, timed as "duo layer"); made on every call: a row below
         schedules = {}
 
-        # as served, the inputs checked at the layer's first call and the batch at the step's build (`checked`)
+        # as served: the inputs checked and FlashAttention's page views made at the layer's first call, the batch
+        # checked at the step's build
+        pages = retrieval_pages(duo.cache, heads)
+
         def duo_layer(make_schedule=False, store_in_streaming=True, checked=True):
             duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,
                               retrieval_table=retrieval_table, flash_schedules={} if make_schedule else schedules,
-                              store_in_streaming=store_in_streaming, checked=checked)
+                              store_in_streaming=store_in_streaming, checked=checked,
+                              flash_pages=pages if checked else None)
 
         dense_schedule = None  # as vLLM's FLASH_ATTN: FA3's tile schedule made once per step, for every layer
         if fa.version == 3:
@@ -608,8 +612,8 @@ def bench_mixed(fa, rows, out_json):
             res[f"{side}_device_ms"] = device_ms(fn)
             res[f"{side}_host_us"] = host_us(fn)
         res["duo_host_us_checking_every_call"] = host_us(lambda: duo_layer(checked=False))
-        rows.append((f"mixed {T}", f"{name}: duo layer checking its inputs every call, host us/call "
-                     f"{res['duo_host_us_checking_every_call']:.0f}", float("nan"), float("nan")))
+        rows.append((f"mixed {T}", f"{name}: duo layer checking its inputs, making its page views every call, host "
+                     f"us/call {res['duo_host_us_checking_every_call']:.0f}", float("nan"), float("nan")))
         if max_q > 1:  # the step's K/V stored by its own launch first (write_kv), not by the streaming heads'
             apart = functools.partial(duo_layer, store_in_streaming=False)
             res["duo_stored_apart_device_ms"], res["duo_stored_apart_host_us"] = device_ms(apart), host_us(apart)

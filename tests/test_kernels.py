@@ -435,6 +435,30 @@ def test_flash_schedule_made_once_per_retrieval_head_count(monkeypatch):
     assert "scheduler_metadata" not in calls[-1] and len(made) == 2
 
 
+def test_flash_reads_the_pages_it_is_given():
+    """FlashAttention reads the retrieval pages its caller made once (the backend: per layer), else views of the cache
+    made for the call: the same K and V either way (a stand-in records the calls)."""
+    from vllm_duo import gpu_attention
+    calls = []
+
+    def flash(**kw):
+        calls.append(kw)
+        return kw["out"]
+
+    qsl, seq_lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([9, 7], dtype=torch.int32)
+    query, cache = torch.randn(2, 8, 64), torch.randn(10, 2, 16, 2, 64)
+    heads = LayerHeads.build([0, 1], 4, 8, 2, 4, 16)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    pages = gpu_attention.retrieval_pages(cache, heads)
+    for given in (None, pages):
+        gpu_attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1,
+                                                torch.empty_like(query), 1, 9, pages=given)
+    made, passed = calls
+    assert passed["k"] is pages[0] and passed["v"] is pages[1]
+    for got, kv in ((made["k"], 0), (made["v"], 1)):
+        assert got.data_ptr() == cache[:, kv].data_ptr() and torch.equal(got, cache[:, kv, :, :2])
+
+
 def lifted(cache: torch.Tensor, shift: int) -> torch.Tensor:
     """`cache` with block b > 0 moved to block b + shift, in a cache allocated lazily (only the touched pages take
     memory); the poison block stays block 0."""

@@ -36,7 +36,7 @@ from vllm.v1.attention.backend import (
 
 from vllm_duo import DUO_BLOCK_SIZE, vllm_seam
 from vllm_duo.config import DuoSettings, LayerPlan, ServingPlan, attention_path, serving_plan
-from vllm_duo.gpu_attention import duo_attention_gpu
+from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_pages
 from vllm_duo.kernels.cache_write import check_batch
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
@@ -284,6 +284,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
         self.stream_host = None
         self.contexts: ClusteredContexts | None = None  # and the squeeze's store, where it is on
         self.checked_pages: int | None = None  # the cache whose layer call passed duo_attention_gpu's checks
+        self.flash_pages: tuple[torch.Tensor, torch.Tensor] | None = None  # FlashAttention's views of its pages
 
     def bind(self, index: int, layer: LayerPlan, stream_host, reordered: bool, device: torch.device) -> None:
         """This layer's heads as the kernels read them, and the `Attention` layer whose cache holds its page groups
@@ -368,14 +369,17 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
                                              m.query_start_loc, m.seq_lens, m.block_table, self.scale, out, squeeze,
                                              quant)
             # the caches and the token views' layout are the layer's own every step: checked at its first call (the
-            # batch at every step's build)
+            # batch at every step's build), when FlashAttention's views of its pages are made too
             pages = kv_cache.data_ptr()
+            checked = pages == self.checked_pages
+            if not checked:
+                self.flash_pages = retrieval_pages(kv_cache, heads) if heads.num_retrieval else None
             duo_attention_gpu(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
                               out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache, quant=quant,
                               retrieval_table=m.retrieval_table, flash_schedules=m.flash_schedules,
                               retrieval_seq_lens=None if squeeze is None else squeeze.flash_seq_lens,
                               squeezed=squeezed, flash_allowed=ATTENTION_PATH == "flash",
-                              checked=pages == self.checked_pages)
+                              checked=checked, flash_pages=self.flash_pages)
             self.checked_pages = pages
         else:
             quant = self._quant(layer, on_host=True)

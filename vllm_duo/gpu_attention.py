@@ -36,7 +36,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       flash_schedules: dict[int, torch.Tensor] | None = None,
                       retrieval_seq_lens: torch.Tensor | None = None,
                       squeezed: Callable[[Callable | None], None] | None = None, flash_allowed: bool = True,
-                      store_in_streaming: bool = True, checked: bool = False) -> None:
+                      store_in_streaming: bool = True, checked: bool = False,
+                      flash_pages: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """`kernels.attention.duo_attention_triton`'s arguments and result, with the retrieval heads by FlashAttention-3
     where it is faster (where it is not available, the Triton kernels do all).
 
@@ -61,6 +62,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             (kernels_bench.py).
         checked: the caller has checked these inputs as `write_step` does (the backend: a layer's caches and token
             layout at its first call, the batch once a step), which costs host time every layer of an eager step.
+        flash_pages: `retrieval_pages(cache, heads)`, made once by the caller (the backend: per layer), else here.
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
@@ -93,7 +95,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         seq_lens if retrieval_seq_lens is None else retrieval_seq_lens, retrieval_table, scale,
         output, max_query_len, max_seq_len, quant,
         num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
-        schedules=flash_schedules if max_query_len > 1 else None)
+        schedules=flash_schedules if max_query_len > 1 else None, pages=flash_pages)
     rows_part = functools.partial(selected_rows_attention, flash, cache=cache, heads=heads,
                                   query_start_loc=query_start_loc, scale=scale, output=output, quant=quant)
     if squeezed_step:
@@ -189,7 +191,9 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
                               scale: float, output: torch.Tensor, max_query_len: int, max_seq_len: int,
                               quant: KVQuant | None = None, num_splits: int = 0,
                               schedules: dict[int, torch.Tensor] | None = None, with_lse: bool = False,
-                              queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                              queries: torch.Tensor | None = None,
+                              pages: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Causal attention of the retrieval heads over their paged rows, by FlashAttention on strided views.
 
     `cache[:, 0, :, :R]` is a `[num_blocks, block_size, R, head_dim]` paged K (V likewise) and
@@ -206,7 +210,7 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
 
     `with_lse`: returns the queries as FlashAttention took them, `[num_tokens, R * G, head_dim]`, and the
     log-sum-exp `[R * G, num_tokens]` of each retrieval query head, for a pass that merges with this one.
-    `queries`: those queries made beforehand (`flash_queries`).
+    `queries`: those queries made beforehand (`flash_queries`); `pages`: `retrieval_pages(cache, heads)`, likewise.
     """
     R = heads.num_retrieval
     options = {}  # the fp8 descales, the step's schedule
@@ -224,7 +228,8 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     # FlashAttention-3 returns its fp8 path's output in bf16: a bf16 model's output slice takes it in place
     out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
     into = output[:, :R * heads.group_size] if heads.retrieval_first and out_dtype == output.dtype else None
-    out = flash(q=q, k=cache[:, 0, :, :R], v=cache[:, 1, :, :R],
+    k_pages, v_pages = retrieval_pages(cache, heads) if pages is None else pages
+    out = flash(q=q, k=k_pages, v=v_pages,
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
                 block_table=retrieval_table, num_splits=num_splits, out=into, return_softmax_lse=with_lse,
@@ -235,6 +240,13 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     elif into is None:
         output[:, heads.retrieval_q] = out.to(output.dtype)
     return (q, lse) if with_lse else None
+
+
+def retrieval_pages(cache: torch.Tensor, heads: LayerHeads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The retrieval heads' K and V pages as FlashAttention reads them, `[num_blocks, block_size, R, head_dim]` views
+    of the cache (two view ops, a few microseconds of host time: the backend makes them once per layer)."""
+    R = heads.num_retrieval
+    return cache[:, 0, :, :R], cache[:, 1, :, :R]
 
 
 def flash_queries(query: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
