@@ -96,7 +96,7 @@ def _import_kernels_from_checkout() -> None:
 
 
 _import_kernels_from_checkout()
-from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_pages  # noqa: E402
+from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_page_views  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention, decode_num_splits  # noqa: E402
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
 from vllm_duo.kernels import cache_write  # noqa: E402
@@ -585,7 +585,7 @@ def bench_mixed(fa, rows, out_json):
 
         # as served: the inputs checked and FlashAttention's page views made at the layer's first call, the batch
         # checked at the step's build
-        pages = retrieval_pages(duo.cache, heads)
+        pages = retrieval_page_views(duo.cache, heads)
 
         def duo_layer(make_schedule=False, store_in_streaming=True, checked=True):
             duo_attention_gpu(query, key, value, duo.cache, heads, qsl, sl, duo.table, SCALE, out, max_q, bound,

@@ -20,6 +20,7 @@ scales (`KVQuant`), so attention sees every key and value as stored, as vLLM's d
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +107,12 @@ class LayerHeads:
         return cls(kv_heads(retrieval), kv_heads(streaming), q_heads(retrieval), q_heads(streaming),
                    group, stride, stream_offset, sink, recent, list(retrieval) == list(range(len(retrieval))))
 
-    @property
+    # counted once: the index maps never change, and every layer call of an eager step reads them several times
+    @functools.cached_property
     def num_retrieval(self) -> int:
         return self.retrieval_kv.numel()
 
-    @property
+    @functools.cached_property
     def num_streaming(self) -> int:
         return self.streaming_kv.numel()
 

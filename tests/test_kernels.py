@@ -449,7 +449,7 @@ def test_flash_reads_the_pages_it_is_given():
     query, cache = torch.randn(2, 8, 64), torch.randn(10, 2, 16, 2, 64)
     heads = LayerHeads.build([0, 1], 4, 8, 2, 4, 16)
     table = torch.zeros(2, 1, dtype=torch.int32)
-    pages = gpu_attention.retrieval_pages(cache, heads)
+    pages = gpu_attention.retrieval_page_views(cache, heads)
     for given in (None, pages):
         gpu_attention.retrieval_flash_attention(flash, query, cache, heads, qsl, seq_lens, table, 0.1,
                                                 torch.empty_like(query), 1, 9, pages=given)

@@ -36,7 +36,7 @@ from vllm.v1.attention.backend import (
 
 from vllm_duo import DUO_BLOCK_SIZE, vllm_seam
 from vllm_duo.config import DuoSettings, LayerPlan, ServingPlan, attention_path, serving_plan
-from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_pages
+from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_page_views
 from vllm_duo.kernels.cache_write import check_batch
 from vllm_duo.kernels.reference import FP8_CACHE_DTYPES, KVQuant, LayerHeads, duo_attention
 from vllm_duo.kv_cache import STUB_HEAD_SIZE, DuoAttentionSpec
@@ -373,7 +373,7 @@ class DuoAttentionImpl(AttentionImpl[DuoAttentionMetadata]):
             pages = kv_cache.data_ptr()
             checked = pages == self.checked_pages
             if not checked:
-                self.flash_pages = retrieval_pages(kv_cache, heads) if heads.num_retrieval else None
+                self.flash_pages = retrieval_page_views(kv_cache, heads) if heads.num_retrieval else None
             duo_attention_gpu(q, k, v, kv_cache, heads, m.query_start_loc, m.seq_lens, m.block_table, self.scale,
                               out, m.max_query_len, m.max_seq_len, stream_cache=stream_cache, quant=quant,
                               retrieval_table=m.retrieval_table, flash_schedules=m.flash_schedules,

@@ -62,7 +62,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             (kernels_bench.py).
         checked: the caller has checked these inputs as `write_step` does (the backend: a layer's caches and token
             layout at its first call, the batch once a step), which costs host time every layer of an eager step.
-        flash_pages: `retrieval_pages(cache, heads)`, made once by the caller (the backend: per layer), else here.
+        flash_pages: `retrieval_page_views(cache, heads)`, made once by the caller (the backend: per layer), else here.
     """
     cache, stream_cache, max_num_splits = write_step(query, key, value, cache, heads, query_start_loc, seq_lens,
                                                      block_table, output, max_seq_len, max_num_splits, stream_cache,
@@ -210,7 +210,7 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
 
     `with_lse`: returns the queries as FlashAttention took them, `[num_tokens, R * G, head_dim]`, and the
     log-sum-exp `[R * G, num_tokens]` of each retrieval query head, for a pass that merges with this one.
-    `queries`: those queries made beforehand (`flash_queries`); `pages`: `retrieval_pages(cache, heads)`, likewise.
+    `queries`: those queries made beforehand (`flash_queries`); `pages`: `retrieval_page_views(cache, heads)`, likewise.
     """
     R = heads.num_retrieval
     options = {}  # the fp8 descales, the step's schedule
@@ -228,7 +228,7 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     # FlashAttention-3 returns its fp8 path's output in bf16: a bf16 model's output slice takes it in place
     out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
     into = output[:, :R * heads.group_size] if heads.retrieval_first and out_dtype == output.dtype else None
-    k_pages, v_pages = retrieval_pages(cache, heads) if pages is None else pages
+    k_pages, v_pages = retrieval_page_views(cache, heads) if pages is None else pages
     out = flash(q=q, k=k_pages, v=v_pages,
                 cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len, seqused_k=seq_lens,
                 max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True,
@@ -242,7 +242,7 @@ def retrieval_flash_attention(flash, query: torch.Tensor, cache: torch.Tensor, h
     return (q, lse) if with_lse else None
 
 
-def retrieval_pages(cache: torch.Tensor, heads: LayerHeads) -> tuple[torch.Tensor, torch.Tensor]:
+def retrieval_page_views(cache: torch.Tensor, heads: LayerHeads) -> tuple[torch.Tensor, torch.Tensor]:
     """The retrieval heads' K and V pages as FlashAttention reads them, `[num_blocks, block_size, R, head_dim]` views
     of the cache (two view ops, a few microseconds of host time: the backend makes them once per layer)."""
     R = heads.num_retrieval
