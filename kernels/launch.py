@@ -42,7 +42,8 @@ def launch(kernel, grid: tuple[int, ...]) -> Callable[..., None]:
         return kernel[grid]
 
     def run(*args, **kwargs) -> None:
-        device = triton.runtime.driver.active.get_current_device()
+        driver = triton.runtime.driver.active
+        device = driver.get_current_device()
         entry = caches[device]
         if len(entry) != 5:  # another Triton's binder: its own path
             kernel[grid](*args, **kwargs)
@@ -56,7 +57,7 @@ def launch(kernel, grid: tuple[int, ...]) -> Callable[..., None]:
                 _COMPILED[key] = compiled
             return
         grid_3 = tuple(grid) + (1,) * (3 - len(grid))
-        compiled.run(*grid_3, triton.runtime.driver.active.get_current_stream(device), compiled.function,
+        compiled.run(*grid_3, driver.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *bound.values())
 
     return run
