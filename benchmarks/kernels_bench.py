@@ -507,8 +507,8 @@ MIXED_CASES = (("decode 4 x 1k (a CUDA graph when served)", [(1024, 1)] * 4),
                ("31 decode 1k + 256 prefill", [(1024, 1)] * 31 + [(256, 256)]))
 SERVED_MAX_MODEL_LEN = 99000  # tpot_sweep's and short_itl's server
 DECODE_MIN_SPLITS = (64, 128, 256)  # kernels/decode.py's shortest split: MIN_SPLIT_TOKENS and shorter ones
-# Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config; the first is its H100
-# choice for head_dim 128).
+# Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config: the first is its H100
+# choice for head_dim 128, 64/32/4/2 the one for launches that store the step's K/V too).
 PREFILL_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2),
@@ -708,7 +708,7 @@ def bench_mixed(fa, rows, out_json):
             res["streaming_prefill_configs"] = []
             try:
                 for config in PREFILL_CONFIGS:
-                    prefill_module._prefill_config = lambda head_dim, device, c=config: dict(c)
+                    prefill_module._prefill_config = lambda head_dim, device, store=False, c=config: dict(c)
                     trial = out.clone()
                     try:
                         streaming(trial)

@@ -102,20 +102,23 @@ def cases():
             yield f"write_kv {tag}", _write_kv_kernel, model, cache, dict(shape, BLOCK_T=WRITE_BLOCK_T), {}
 
         if "prefill" in variants:
-            config = _prefill_config(head_dim, CUDA)
-            block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(G))
-            block_n = config.pop("BLOCK_N")
-            constants = dict(shape, G=G, BLOCK_Q=block_m // G, BLOCK_M=block_m, BLOCK_N=block_n, FP16=fp16,
-                             BLOCK_QS=triton.next_power_of_2(block_m // G))
+            def prefill_shape(store: bool) -> tuple[dict, dict]:  # (constants, launch options) as prefill_attention's
+                config = _prefill_config(head_dim, CUDA, store)
+                block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(G))
+                return dict(shape, G=G, BLOCK_Q=block_m // G, BLOCK_M=block_m, BLOCK_N=config.pop("BLOCK_N"),
+                            FP16=fp16, BLOCK_QS=triton.next_power_of_2(block_m // G), STORE=store), config
+
+            constants, config = prefill_shape(store=False)
             yield (f"prefill {tag}", _prefill_kernel, model, cache,
-                   dict(constants, STREAMING_ONLY=False, FRESH_KV=False, STORE=False), config)
+                   dict(constants, STREAMING_ONLY=False, FRESH_KV=False), config)
             # beside FlashAttention: fresh prompts' streaming keys from the step where the cache keeps them; as
             # served there, the launch storing the step's K/V too
             yield (f"prefill streaming heads {tag}", _prefill_kernel, model, cache,
-                   dict(constants, STREAMING_ONLY=True, FRESH_KV=cache == model, STORE=False), config)
+                   dict(constants, STREAMING_ONLY=True, FRESH_KV=cache == model), config)
             if cache == model:
+                constants, config = prefill_shape(store=True)
                 yield (f"prefill streaming heads storing the step {tag}", _prefill_kernel, model, cache,
-                       dict(constants, STREAMING_ONLY=True, FRESH_KV=True, STORE=True), config)
+                       dict(constants, STREAMING_ONLY=True, FRESH_KV=True), config)
 
         block_n, min_split, num_stages = decode_tiles(head_dim, CUDA)
         splits = ((1, 1), (64, 2)) if "decode without splits" in variants else ((64, 2),)
