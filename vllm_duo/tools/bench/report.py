@@ -74,6 +74,8 @@ class Report:
             lines += tables.latency_table(self.index, name)
         else:
             lines += tables.serve_table(self.index, name)
+            if repeated := tables.repeated_ttft_lines(self.index, name):
+                lines += [""] + repeated
             if turns := tables.turns_table(self.index, name):
                 lines += [""] + turns
             if load := tables.engine_load_table(self.index, name):

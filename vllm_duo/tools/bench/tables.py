@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from vllm_duo.tools.bench.run_index import RunIndex, metric, ok, rate_and_run
+from vllm_duo.tools.bench.run_index import RunIndex, metric, ok, rate_and_run, request_rate
 from vllm_duo.tools.bench.workloads import is_baseline, kv_suffix
 
 
@@ -153,10 +153,10 @@ def latency_table(index: RunIndex, workload: str) -> list[str]:
 
 
 def serve_table(index: RunIndex, workload: str) -> list[str]:
-    head = ("| backend | input tokens | rate req/s (run) | output tok/s | p99 TTFT ms | median TTFT ms "
+    head = ("| backend | input tokens | rate req/s (run) | output tok/s | mean TTFT ms | p99 TTFT ms | median TTFT ms "
             "| mean TPOT ms | p99 TPOT ms | median ITL ms | engine mean ITL ms | done/failed | prefix cache hits "
-            "| duo/dense output tok/s | duo/dense p99 TTFT | duo/dense median ITL | KV cache tokens "
-            "| max concurrency |")
+            "| duo/dense output tok/s | duo/dense mean TTFT | duo/dense p99 TTFT | duo/dense median ITL "
+            "| KV cache tokens | max concurrency |")
     lines = [head, _separator(head)]
     phases = list(dict.fromkeys(r["phase"] for r in index.of(workload)))
     for phase in phases:
@@ -164,21 +164,50 @@ def serve_table(index: RunIndex, workload: str) -> list[str]:
             run, dense = index.find(workload, backend, phase), index.baseline(workload, backend, phase)
             if run is None:
                 continue
-            out_tok, ttft, itl = (metric(run, key) for key in ("output_tok_s", "p99_ttft_ms", "median_itl_ms"))
+            keys = ("output_tok_s", "mean_ttft_ms", "p99_ttft_ms", "median_itl_ms")
+            out_tok, mean_ttft, ttft, itl = (metric(run, key) for key in keys)
             other = not is_baseline(backend)
             done = f"{fmt(metric(run, 'completed'), 0)}/{fmt(metric(run, 'failed'), 0)}"
             hits = metric(run, "prefix_cache_hit_rate")
             ratios = [fmt(_ratio(value, metric(dense, key)) if other else None, 2, "x")
-                      for value, key in ((out_tok, "output_tok_s"), (ttft, "p99_ttft_ms"), (itl, "median_itl_ms"))]
+                      for value, key in zip((out_tok, mean_ttft, ttft, itl), keys)]
             lines.append(
                 f"| {backend} | {run['input_len']:,} | {rate_and_run(run)} "
-                f"| {_value_or_status(run, out_tok)} | {fmt(ttft, 0)} "
+                f"| {_value_or_status(run, out_tok)} | {fmt(mean_ttft, 0)} | {fmt(ttft, 0)} "
                 f"| {fmt(metric(run, 'median_ttft_ms'), 0)} | {fmt(metric(run, 'mean_tpot_ms'), 1)} "
                 f"| {fmt(metric(run, 'p99_tpot_ms'), 1)} | {fmt(itl, 1)} | {fmt(metric(run, 'engine_mean_itl_ms'), 1)} "
                 f"| {done} "
                 f"| {fmt(None if hits is None else 100 * hits, 1, '%')} | " + " | ".join(ratios)
                 + " | " + " | ".join(_capacity_cells(run)) + " |")
     return lines
+
+
+def repeated_ttft_lines(index: RunIndex, workload: str) -> list[str]:
+    """Mean TTFT over a repeated serve point's runs after each server's first (whose first burst also pays the
+    server's cold start), per backend, with the spread of the runs and the baseline's TTFT over the backend's: one
+    run of a burst varies with how its arrivals split over the first steps, so a ratio of single runs says little."""
+    points: dict[tuple, dict[str, dict[int, float]]] = {}
+    for run in index.of(workload):
+        value = metric(run, "mean_ttft_ms")
+        if (run.get("repeat") or 0) > 1 and value is not None:
+            point = points.setdefault((run["input_len"], request_rate(run)), {})
+            point.setdefault(run["backend"], {})[run["repeat"]] = value
+    lines = []
+    for (input_len, rate), by_backend in points.items():
+        for backend in index.backends(workload):
+            runs = by_backend.get(backend)
+            if not runs:
+                continue
+            mean = sum(runs.values()) / len(runs)
+            base = by_backend.get("dense" + kv_suffix(index.kv_cache_dtype(workload, backend)))
+            speed = (f"; dense/{backend} {sum(base.values()) / len(base) / mean:.3f}x"
+                     if base and not is_baseline(backend) else "")
+            lines.append(f"- {input_len:,} tokens at {rate} req/s, {backend}: {mean:.1f} ms over runs "
+                         f"{min(runs)}-{max(runs)} (each {min(runs.values()):.1f}-{max(runs.values()):.1f}){speed}")
+    if not lines:
+        return []
+    return ["Mean TTFT of the repeated runs after each server's first (dense's time over the backend's: above 1x "
+            "the backend is faster):", ""] + lines
 
 
 def turns_table(index: RunIndex, workload: str) -> list[str]:
