@@ -51,7 +51,7 @@ test-newest: model
 
 # The no-engine group (much of it the single-threaded Triton interpreter) and test_bench (its time is vLLM processes
 # starting) run on WORKERS pytest-xdist workers; an engine module's float32 model work already takes every core.
-# test_bench's workers steal queued tests from each other (--dist worksteal): its four tests that run vLLM, minutes
+# test_bench's workers steal queued tests from each other (--dist worksteal): its five tests that run vLLM, minutes
 # each, come first in the module, and xdist's default scheduling would hand one worker three of them at once.
 WORKERS ?= 2
 SPREAD := tests/test_bench.py

@@ -177,8 +177,11 @@ json.dump(c, open(p, 'w'), indent=1)"
     short_itl) bench short --workloads short_itl --only ${ONLY:?set ONLY} ;;
     # issue 32: TTFT of 32 requests at 1k sent at once, REPEATS clients one after the other against each server
     # (how their arrival splits them over the first steps varies: 3 runs spread 0.82-1.05x); KV the dtype; one
-    # backend per call, ~7 min each with 10 repeats (ONLY=dense, then ONLY=duo: the folder gathers both)
-    short_ttft) bench short-ttft-${KV:-auto} --workloads short_itl --kv-cache-dtype ${KV:-auto} --only ${ONLY:?set ONLY} \
+    # backend per call, ~7 min each with 10 repeats (ONLY=dense, then ONLY=duo: the folder gathers both); SIDE=1:
+    # both servers up at once, their clients in turn (dense, duo, then duo, dense, ...), one call (~3 min of
+    # startups, 40 s a pair of clients: REPEATS=6 in about 7.5 min)
+    short_ttft) if [ -n "${SIDE:-}" ]; then which="--side-by-side"; else which="--only ${ONLY:?set ONLY or SIDE=1}"; fi
+      bench short-ttft-${KV:-auto}${SIDE:+-side} --workloads short_itl --kv-cache-dtype ${KV:-auto} $which \
         --set short_itl.input_lens=1024 short_itl.repeats=${REPEATS:-10} ;;
     # issue 32: short_ttft's burst in one process, stepped as served (profile_steps.py --timeline): REPEATS timed
     # bursts of 32 x 1k and one profiled, GPU busy against idle, dense then duo (~2 min each; the server's

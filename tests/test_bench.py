@@ -101,6 +101,32 @@ def test_tiny_zigzag_serve_sweep_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     assert "| zigzag s=0.5 | 128 | inf |" in (out / "results.md").read_text()
 
 
+def test_side_by_side_servers_take_their_clients_in_turn_on_cpu(smollm2_dir, tmp_path, subprocess_env):
+    """--side-by-side: dense's and duo's servers up at once, a repeated point's clients against them in turn (dense,
+    duo, then duo, dense), each run recorded against its own server with the same prompts as the other's."""
+    out = tmp_path / "results"
+    code = cli.main(["bench", "--workloads", "tiny_serve", "--model", smollm2_dir, "--sparsity", "0.5",
+                     "--set", "tiny_serve.input_lens=64", "tiny_serve.repeats=2", "--side-by-side",
+                     "--pattern", smollm2_pattern(tmp_path), "--out", str(out), "--timeout", "170"])
+    assert code == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(run["backend"], run["repeat"]) for run in runs] == [("dense", 1), ("duo s=0.5", 1), ("duo s=0.5", 2),
+                                                                 ("dense", 2)]
+    for run in runs:
+        assert run["status"] == "ok", run.get("log_tail")
+        assert run["servers_side_by_side"] == 2 and run["metrics"]["completed"] == 4
+        assert run["server_log"].endswith(("__dense__server.log", "__duo-s-0.5__server.log"))
+        # each server's counters count its own clients' requests alone
+        assert run["metrics"]["engine_steps"] >= 4
+    assert runs[0]["server_log"] == runs[3]["server_log"] != runs[1]["server_log"] == runs[2]["server_log"]
+    assert runs[0]["command"].split("--seed ")[1].split()[0] == runs[1]["command"].split("--seed ")[1].split()[0]
+    servers = {(out / run["server_log"]).read_text().splitlines()[0] for run in runs}
+    assert len(servers) == 2 and all("--gpu-memory-utilization 0.44" in line for line in servers)
+    # the two were up together: duo's server started before dense's served its last client
+    assert runs[1]["server_startup_s"] > 0 and runs[0]["finished_at"] <= runs[3]["started_at"]
+    assert "servers ran side by side" in (out / "results.md").read_text()
+
+
 def test_multi_turn_chat_hits_the_prefix_cache_on_cpu(smollm2_dir, tmp_path, subprocess_env):
     """The multi-turn chat client (chat.py) against a duo server: 2 chats of 3 turns, each turn resending the
     conversation; the server's own counters give the hit rate. (shared_docs is vLLM's `prefix_repetition` client

@@ -176,6 +176,11 @@ def _add_bench_command(commands: _Subparsers) -> None:
                         help="run only the dense baselines, only head-level duo or only the zigzag runs: one part "
                              "of a suite split over several calls of one machine into the same --out, where the "
                              "parts meet in one report")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="serve workloads: every backend's server up at once (each with an equal share of the "
+                             "GPU's memory unless --engine-args sizes it), their clients in turn, in the opposite "
+                             "order at every other run of a repeated point, so that a drift over the runs falls on "
+                             "every backend alike")
     parser.add_argument("--out", metavar="DIR",
                         help="results folder (default benchmarks/results/<timestamp>-<device>); into a folder "
                              "with a results.json the new runs are added, the same runs replaced")
@@ -340,6 +345,11 @@ def _add_eval_command(commands: _Subparsers) -> None:
                         help="CPU stack only: each vLLM engine's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, which wins "
                              f"when set; default {CPU_KV_CACHE_GIB})")
     parser.add_argument("--engine-args", metavar="JSON", help="more vLLM LLM(...) arguments as a JSON object")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="serve workloads: every backend's server up at once (each with an equal share of the "
+                             "GPU's memory unless --engine-args sizes it), their clients in turn, in the opposite "
+                             "order at every other run of a repeated point, so that a drift over the runs falls on "
+                             "every backend alike")
     parser.add_argument("--out", metavar="DIR",
                         help="results folder (default benchmarks/results/eval-<model>-<cpu|gpu>-<date>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

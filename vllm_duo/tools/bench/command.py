@@ -45,6 +45,7 @@ def command_line(args: argparse.Namespace, settings: Settings) -> list[str]:
     argv += ["--extra-dense-backends", *settings.extra_dense_backends] if settings.extra_dense_backends else []
     argv += ["--engine-args", args.engine_args] if args.engine_args else []
     argv += ["--only", settings.only] if settings.only else []
+    argv += ["--side-by-side"] if settings.side_by_side else []
     argv += ["--kv-cache-space", settings.env["VLLM_CPU_KVCACHE_SPACE"]] if settings.env else []
     return argv + ["--timeout", f"{settings.timeout:g}", "--out", str(settings.out)]
 
@@ -80,7 +81,7 @@ def command(args: argparse.Namespace) -> str:
                         extra_dense_backends=args.extra_dense_backends, engine_args=shlex.split(args.engine_args or ""),
                         out=out, timeout=args.timeout, dry_run=args.dry_run, only=args.only,
                         kv_cache_dtypes=list(dict.fromkeys(args.kv_cache_dtype)),
-                        env=kv_cache_env(args.kv_cache_space))
+                        env=kv_cache_env(args.kv_cache_space), side_by_side=args.side_by_side)
     settings.argv = command_line(args, settings)
     settings.write_zigzag_patterns()
     if args.dry_run:

@@ -47,7 +47,7 @@ class Report:
         for name, reason in (r.get("skipped_backends") or {}).items():
             lines.append(f"- skipped dense backend {name}: {reason}")
         lines += ["", "Ratios are duo / dense at equal settings on the same machine, from runs made one after the "
-                      "other (dense first) by the commands above. \"limit\" is the physical model's ratio (below) "
+                      "other (dense first) by the commands above, or side by side where a workload says so. \"limit\" is the physical model's ratio (below) "
                       "and \"reached\" the measured improvement as a share of the model's. Each run's exact command "
                       "is at the end; its log and vLLM's JSON are under logs/ and json/.", ""]
         return lines
@@ -64,6 +64,9 @@ class Report:
         finished = max(run.get("finished_at") or "?" for run in runs)
         commits = ", ".join(dict.fromkeys(str(run.get("vllm_duo_commit")) for run in runs))
         lines += [f"Runs from {started} to {finished}, vllm-duo commit {commits}.", ""]
+        if together := max((run.get("servers_side_by_side") or 0 for run in runs), default=0):
+            lines += [f"The {together} servers ran side by side (`--side-by-side`), each with an equal share of the "
+                      "GPU's memory, their clients in turn, in the opposite order at every other run of a point.", ""]
         if name == "capacity":
             lines += tables.capacity_table(self.index, name)
         elif kind == "ceiling":

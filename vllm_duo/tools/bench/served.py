@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_duo.tools.bench.logs import read_json, read_log, log_tail, serve_metrics, startup_figures
@@ -124,41 +126,93 @@ def _client_files(settings: Settings, workload: Workload, variant: Variant, inpu
     return phase, settings.out / "json" / f"{stem}.json", settings.out / "logs" / f"{stem}.log"
 
 
+# At most this share of the GPU's memory for all servers of a workload run side by side (vLLM's default for one is 0.9)
+SIDE_BY_SIDE_MEMORY = 0.88
+
+
+@dataclass
+class Server:
+    """One variant's server of a serve workload, as its clients need it."""
+
+    variant: Variant
+    port: int
+    command: list[str]
+    log: Path
+    startup_s: float = 0.0
+    not_ready: str | None = None
+    process: subprocess.Popen | None = None
+
+
 def run_served(results: Results, workload: Workload, variant: Variant, progress) -> None:
     """The server for `variant`, then each client against it, recorded in `results`; a dry run prints the
     commands."""
+    run_side_by_side(results, workload, [variant], progress)
+
+
+def run_side_by_side(results: Results, workload: Workload, variants: list[Variant], progress) -> None:
+    """The servers of `variants` started one after another and kept up together (each with an equal share of the
+    GPU's memory where there are several and the engine arguments size none), then each serve point's clients
+    against them in turn, in the opposite order at every other run of a repeated point (A B, B A, A B, ...): a drift
+    over the runs (a warming GPU, the host's other load) falls on every variant alike, where one server after the
+    other puts it all on the later ones. Every client against a server ends before the next starts, so one burst
+    has the GPU to itself. A dry run prints the commands."""
     settings = results.settings
-    out = settings.out
-    port = free_port()
-    server_cmd = server_command(engine_args(settings, workload, variant), port)
-    server_log = out / "logs" / f"{workload.name}__{variant.slug}__server.log"
+    servers = [_server(settings, workload, variant, len(variants)) for variant in variants]
+    points = list(enumerate(workload.serve_points()))
     if settings.dry_run:
-        print(shell_line(server_cmd, settings.env) + " &")
-        for seed, (input_len, rate, run) in enumerate(workload.serve_points()):
-            _, json_path, _ = _client_files(settings, workload, variant, input_len, rate, run)
-            print(shlex.join(client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)))
+        for server in servers:
+            print(shell_line(server.command, settings.env) + " &")
+        for seed, (input_len, rate, run) in points:
+            for server in _in_turn(servers, run):
+                _, json_path, _ = _client_files(settings, workload, server.variant, input_len, rate, run)
+                print(shlex.join(client_command(settings, workload, input_len, rate, server.port,
+                                                json_path.resolve(), seed)))
         return
-    server_log.parent.mkdir(parents=True, exist_ok=True)
-    (out / "json").mkdir(parents=True, exist_ok=True)
-    progress.set_postfix_str(f"{workload.name} {variant.label} server")
-    start = time.monotonic()
-    with open(server_log, "w") as log:
-        server = start_logged(server_cmd, log, settings.env)
-        try:
-            not_ready = wait_healthy(port, server, settings.timeout)
-            startup_s = round(time.monotonic() - start, 1)
-            for seed, (input_len, rate, run) in enumerate(workload.serve_points()):
-                _run_client(results, workload, variant, (input_len, rate, run), seed, port, server_cmd, server_log,
-                            startup_s, not_ready, progress)
-        finally:
-            stop(server)
+    (settings.out / "json").mkdir(parents=True, exist_ok=True)
+    logs = []
+    try:
+        for server in servers:
+            server.log.parent.mkdir(parents=True, exist_ok=True)
+            logs.append(open(server.log, "w"))
+            progress.set_postfix_str(f"{workload.name} {server.variant.label} server")
+            start = time.monotonic()
+            server.process = start_logged(server.command, logs[-1], settings.env)
+            server.not_ready = wait_healthy(server.port, server.process, settings.timeout)
+            server.startup_s = round(time.monotonic() - start, 1)
+        for seed, (input_len, rate, run) in points:
+            for server in _in_turn(servers, run):
+                _run_client(results, workload, server, (input_len, rate, run), seed, progress,
+                            side_by_side=len(servers) if len(servers) > 1 else None)
+    finally:
+        for server in servers:
+            if server.process is not None:
+                stop(server.process)
+        for log in logs:
+            log.close()
 
 
-def _run_client(results: Results, workload: Workload, variant: Variant, point: tuple[int, float, int], seed: int,
-                port: int, server_cmd: list[str], server_log: Path, startup_s: float, not_ready: str | None,
-                progress) -> None:
+def _server(settings: Settings, workload: Workload, variant: Variant, together: int) -> Server:
+    """`variant`'s server of `workload` on a free port, one of `together` side by side."""
+    args = engine_args(settings, workload, variant)
+    if together > 1 and not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & {
+            arg.split("=", 1)[0] for arg in args}:
+        args += ["--gpu-memory-utilization", f"{int(100 * SIDE_BY_SIDE_MEMORY / together) / 100:g}"]
+    port = free_port()
+    return Server(variant, port, server_command(args, port),
+                  settings.out / "logs" / f"{workload.name}__{variant.slug}__server.log")
+
+
+def _in_turn(servers: list[Server], run: int) -> list[Server]:
+    """The servers in the order of a point's run: as given at even runs, reversed at odd ones."""
+    return servers[::-1] if run % 2 else servers
+
+
+def _run_client(results: Results, workload: Workload, server: Server, point: tuple[int, float, int], seed: int,
+                progress, side_by_side: int | None = None) -> None:
     settings = results.settings
     out = settings.out
+    variant, port, server_cmd, server_log = server.variant, server.port, server.command, server.log
+    startup_s, not_ready = server.startup_s, server.not_ready
     input_len, rate, run = point
     phase, json_path, log_path = _client_files(settings, workload, variant, input_len, rate, run)
     cmd = client_command(settings, workload, input_len, rate, port, json_path.resolve(), seed)
@@ -168,7 +222,8 @@ def _run_client(results: Results, workload: Workload, variant: Variant, point: t
                                 server_command=shell_line(server_cmd, settings.env),
                                 server_startup_s=startup_s, request_rate=rate_text(rate), input_len=input_len,
                                 repeat=run + 1 if workload.repeats > 1 else None,
-                                client_concurrency=workload.max_concurrency or None, started_at=now())
+                                client_concurrency=workload.max_concurrency or None, started_at=now(),
+                                **({"servers_side_by_side": side_by_side} if side_by_side else {}))
     if not_ready:
         log = read_log(server_log)
         record.update(startup_figures(log), status="failed", error=not_ready, log_tail=log_tail(log),

@@ -38,6 +38,7 @@ class Settings:
     squeeze: list[float] = field(default_factory=list)  # budgets of duo with the squeeze, at each sparsity
     squeeze_keys_per_cluster: int | None = None  # None: duo.squeeze's default
     env: dict[str, str] = field(default_factory=dict)  # added to the environment of every vLLM engine's process
+    side_by_side: bool = False  # a serve workload's servers all up at once, their clients in turn (served.py)
 
     def duo_config(self, variant: Variant) -> dict:
         if variant.layer_exclusive:  # the file's stored layer-exclusive mask, not the gates at a sparsity

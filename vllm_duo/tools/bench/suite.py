@@ -9,7 +9,7 @@ import sys
 from vllm_duo.tools.bench.machine import machine_info
 from vllm_duo.tools.bench.offline import run_offline
 from vllm_duo.tools.bench.results import Results
-from vllm_duo.tools.bench.served import run_served
+from vllm_duo.tools.bench.served import run_served, run_side_by_side
 from vllm_duo.tools.bench.settings import Settings
 from vllm_duo.tools.bench.workloads import Variant, Workload, dense, duo, kv_suffix, squeezed, zigzag
 
@@ -82,7 +82,14 @@ class Suite:
             print(f"vllm-duo bench: skipping dense backend {name}: {reason}", file=sys.stderr, flush=True)
         with tqdm(total=self.num_runs(), desc="vllm-duo bench", unit="run", disable=self.settings.dry_run,
                   file=sys.stderr, dynamic_ncols=True) as progress:
+            served_together = set()
             for workload, variant in self.planned():
+                if workload.kind == "serve" and self.settings.side_by_side:
+                    if workload.name not in served_together:
+                        served_together.add(workload.name)
+                        run_side_by_side(self.results, workload, [v for w, v in self.planned() if w is workload],
+                                         progress)
+                    continue
                 if workload.kind == "serve":
                     run_served(self.results, workload, variant, progress)
                     continue
