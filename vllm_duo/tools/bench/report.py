@@ -47,9 +47,10 @@ class Report:
         for name, reason in (r.get("skipped_backends") or {}).items():
             lines.append(f"- skipped dense backend {name}: {reason}")
         lines += ["", "Ratios are duo / dense at equal settings on the same machine, from runs made one after the "
-                      "other (dense first) by the commands above, or side by side where a workload says so. \"limit\" is the physical model's ratio (below) "
-                      "and \"reached\" the measured improvement as a share of the model's. Each run's exact command "
-                      "is at the end; its log and vLLM's JSON are under logs/ and json/.", ""]
+                      "other (dense first) by the commands above, or side by side where a workload says so. "
+                      "\"limit\" is the physical model's ratio (below) and \"reached\" the measured improvement as "
+                      "a share of the model's. Each run's exact command is at the end; its log and vLLM's JSON are "
+                      "under logs/ and json/.", ""]
         return lines
 
     def workload_section(self, name: str) -> list[str]:
