@@ -187,8 +187,9 @@ json.dump(c, open(p, 'w'), indent=1)"
     # bursts of 32 x 1k and one profiled, GPU busy against idle, dense then duo (~2 min each; the server's
     # max_model_len and token budget; BACKENDS: one of them alone; OUTPUT tokens a prompt, served: 256; ARRIVAL ms
     # over which the prompts arrive, 0: at once)
-    burst_timeline) for backend in ${BACKENDS:-dense duo}; do
-        tag=${backend}_${KV:-auto}_out${OUTPUT:-256}_arrival${ARRIVAL:-0}
+    # (BACKENDS may name one twice, e.g. "dense duo duo dense": each process its own files, numbered in order)
+    burst_timeline) i=0; for backend in ${BACKENDS:-dense duo}; do
+        i=$((i + 1)); tag=${i}_${backend}_${KV:-auto}_out${OUTPUT:-256}_arrival${ARRIVAL:-0}
         timeout 280 python3 benchmarks/profile_steps.py --backend $backend --model /tmp/llama8b --tokenizer /tmp/smol \
           --load-format dummy --kv-cache-dtype ${KV:-auto} --context 97976 --max-num-batched-tokens 8192 --burst 32 \
           --burst-len 1024 --burst-out ${OUTPUT:-256} --burst-arrival-ms ${ARRIVAL:-0} --timeline ${REPEATS:-10} \
