@@ -703,6 +703,29 @@ def test_duo_attention_triton_cuda(name, dtype):
     assert_caches_equal((cache, stream), ref_caches)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(GPU_PRESETS) + list(PRESETS))
+def test_the_streaming_launch_stores_the_step_cuda(name, dtype):
+    """As served beside FlashAttention over a 16-bit cache, with the GPU's tiles for it: the streaming heads' launch
+    stores every head's K/V of the step as the reference does (bit for bit) and attends its streaming heads as the
+    reference does; the retrieval heads' output is left to FlashAttention."""
+    case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=dtype, device=CUDA)
+    ref, ref_caches = case.reference()
+    cache, stream = case.fresh_caches()
+    if case.heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it writes
+        (cache, stream), ref_caches = (stream, None), (ref_caches[1], None)
+    out = case.poisoned_output()
+    prefill_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out,
+                      streaming_only=True, stream_cache=stream, fresh_kv=(case.key, case.value), store=True)
+    torch.cuda.synchronize()
+    assert_caches_equal((cache, stream), ref_caches)
+    streaming_q = case.heads.streaming_q
+    if streaming_q.numel():
+        assert_close(out[:, streaming_q], ref[:, streaming_q], dtype)
+    assert out[:, case.heads.retrieval_q].isnan().all()
+
+
 def cuda_scales() -> KVQuant:
     """Device scales, as vLLM's layers hold them (`_k_scale` ...)."""
     return KVQuant(*(torch.tensor(x, device=CUDA) for x in (0.37, 2.5, 0.5)))
