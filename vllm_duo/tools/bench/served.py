@@ -132,15 +132,21 @@ SIDE_BY_SIDE_MEMORY = 0.88
 
 @dataclass
 class Server:
-    """One variant's server of a serve workload, as its clients need it."""
+    """One variant's server of a serve workload, as its clients need it: its port is taken when it starts (a server
+    already up opens ports of its own while it starts)."""
 
     variant: Variant
-    port: int
-    command: list[str]
+    engine_args: list[str]
     log: Path
+    port: int = 0
+    command: list[str] | None = None
     startup_s: float = 0.0
     not_ready: str | None = None
     process: subprocess.Popen | None = None
+
+    def take_port(self) -> None:
+        self.port = free_port()
+        self.command = server_command(self.engine_args, self.port)
 
 
 def run_served(results: Results, workload: Workload, variant: Variant, progress) -> None:
@@ -161,6 +167,7 @@ def run_side_by_side(results: Results, workload: Workload, variants: list[Varian
     points = list(enumerate(workload.serve_points()))
     if settings.dry_run:
         for server in servers:
+            server.take_port()
             print(shell_line(server.command, settings.env) + " &")
         for seed, (input_len, rate, run) in points:
             for server in _in_turn(servers, run):
@@ -176,6 +183,7 @@ def run_side_by_side(results: Results, workload: Workload, variants: list[Varian
             logs.append(open(server.log, "w"))
             progress.set_postfix_str(f"{workload.name} {server.variant.label} server")
             start = time.monotonic()
+            server.take_port()
             server.process = start_logged(server.command, logs[-1], settings.env)
             server.not_ready = wait_healthy(server.port, server.process, settings.timeout)
             server.startup_s = round(time.monotonic() - start, 1)
@@ -192,14 +200,12 @@ def run_side_by_side(results: Results, workload: Workload, variants: list[Varian
 
 
 def _server(settings: Settings, workload: Workload, variant: Variant, together: int) -> Server:
-    """`variant`'s server of `workload` on a free port, one of `together` side by side."""
+    """`variant`'s server of `workload`, one of `together` side by side."""
     args = engine_args(settings, workload, variant)
     if together > 1 and not {"--gpu-memory-utilization", "--kv-cache-memory-bytes"} & {
             arg.split("=", 1)[0] for arg in args}:
         args += ["--gpu-memory-utilization", f"{int(100 * SIDE_BY_SIDE_MEMORY / together) / 100:g}"]
-    port = free_port()
-    return Server(variant, port, server_command(args, port),
-                  settings.out / "logs" / f"{workload.name}__{variant.slug}__server.log")
+    return Server(variant, args, settings.out / "logs" / f"{workload.name}__{variant.slug}__server.log")
 
 
 def _in_turn(servers: list[Server], run: int) -> list[Server]:
