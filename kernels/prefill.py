@@ -297,6 +297,15 @@ def _prefill_config(head_dim: int, device: torch.device, store: bool = False) ->
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
+def prefill_tiles(head_dim: int, G: int, device: torch.device, store: bool) -> tuple[dict, dict]:
+    """`_prefill_kernel`'s tile constants (BLOCK_Q query tokens x G heads in BLOCK_M rows, BLOCK_N keys, BLOCK_QS the
+    stored rows) and its launch options, for `_prefill_config`'s shape."""
+    cfg = _prefill_config(head_dim, device, store)
+    block_m = max(cfg.pop("BLOCK_M"), next_power_of_2(G))
+    block_q = block_m // G
+    return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_QS=next_power_of_2(block_q)), cfg
+
+
 def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, output: torch.Tensor,
                       min_query_len: int = 1, streaming_only: bool = False, stream_cache: torch.Tensor | None = None,
@@ -335,10 +344,8 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
     if num_tokens == 0 or num_reqs == 0 or num_heads == 0:
         return
     head_dim, G = cache.shape[-1], heads.group_size
-    cfg = _prefill_config(head_dim, cache.device, store)
-    block_m = max(cfg.pop("BLOCK_M"), next_power_of_2(G))
-    block_q = block_m // G
-    num_tiles = num_tokens // block_q + num_reqs
+    tiles, options = prefill_tiles(head_dim, G, cache.device, store)
+    num_tiles = num_tokens // tiles["BLOCK_Q"] + num_reqs
     key, value = fresh_kv if fresh else (query, query)  # unread unless fresh
     launch(_prefill_kernel, (num_tiles, num_heads))(
         query, cache, stream_cache, output, key, value, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
@@ -348,6 +355,6 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHead
         stream_cache.shape[3], heads.sink, heads.recent, min_query_len, head_offset,
         *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *stream_cache.stride()[:4], *key.stride()[:2], *value.stride()[:2],
-        G=G, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        STREAMING_ONLY=streaming_only, FRESH_KV=fresh, STORE=store, BLOCK_QS=next_power_of_2(block_q), **cfg)
+        G=G, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache),
+        FP16=fp8_in_fp16(cache, query), STREAMING_ONLY=streaming_only, FRESH_KV=fresh, STORE=store, **tiles,
+        **options)

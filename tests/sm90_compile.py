@@ -25,7 +25,7 @@ NO_COMPILER = 77  # exit code: this Triton has no CUDA backend to compile with (
 from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.clustering import NEAREST_TILE, _nearest_centre_kernel
 from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
-from vllm_duo.kernels.prefill import _prefill_config, _prefill_kernel
+from vllm_duo.kernels.prefill import _prefill_kernel, prefill_tiles
 from vllm_duo.kernels.reference import FP8_FORMATS
 from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS, SCORE_BANDS,
                                          _band_ends_kernel, _band_gather_kernel, _centroid_logits_kernel,
@@ -103,10 +103,8 @@ def cases():
 
         if "prefill" in variants:
             def prefill_shape(store: bool) -> tuple[dict, dict]:  # (constants, launch options) as prefill_attention's
-                config = _prefill_config(head_dim, CUDA, store)
-                block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(G))
-                return dict(shape, G=G, BLOCK_Q=block_m // G, BLOCK_M=block_m, BLOCK_N=config.pop("BLOCK_N"),
-                            FP16=fp16, BLOCK_QS=triton.next_power_of_2(block_m // G), STORE=store), config
+                tiles, config = prefill_tiles(head_dim, G, CUDA, store)
+                return dict(shape, G=G, FP16=fp16, STORE=store, **tiles), config
 
             constants, config = prefill_shape(store=False)
             yield (f"prefill {tag}", _prefill_kernel, model, cache,

@@ -67,9 +67,13 @@ class RunIndex:
         run = next((r for r in self.of(workload) if r["backend"] == backend), {})
         return run.get("kv_cache_dtype") or "auto"
 
+    def baseline_backend(self, workload: str, backend: str) -> str:
+        """The backend a backend's ratios are against: vLLM's default backend at the same KV cache dtype."""
+        return "dense" + kv_suffix(self.kv_cache_dtype(workload, backend))
+
     def baseline(self, workload: str, backend: str, phase: str) -> dict | None:
-        """The run a backend's ratio is against: vLLM's default backend at the same KV cache dtype and phase."""
-        return self.find(workload, "dense" + kv_suffix(self.kv_cache_dtype(workload, backend)), phase)
+        """The run a backend's ratio is against: the baseline backend's at the same phase."""
+        return self.find(workload, self.baseline_backend(workload, backend), phase)
 
     def latency_headline(self, workload: str, backend: str, with_tpot: bool) -> float | None:
         """A latency workload's figure: TPOT in ms when it has output-1 twins, else the average latency in s."""

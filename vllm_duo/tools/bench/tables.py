@@ -199,7 +199,7 @@ def repeated_ttft_lines(index: RunIndex, workload: str) -> list[str]:
             if not runs:
                 continue
             mean = sum(runs.values()) / len(runs)
-            base = by_backend.get("dense" + kv_suffix(index.kv_cache_dtype(workload, backend)))
+            base = by_backend.get(index.baseline_backend(workload, backend))
             speed = (f"; dense/{backend} {sum(base.values()) / len(base) / mean:.3f}x"
                      if base and not is_baseline(backend) else "")
             lines.append(f"- {input_len:,} tokens at {rate} req/s, {backend}: {mean:.1f} ms over runs "
