@@ -615,6 +615,8 @@ def bench_mixed(fa, rows, out_json):
         for side, fn in (("duo", duo_layer), ("dense", dense_layer)):
             res[f"{side}_device_ms"] = device_ms(fn)
             res[f"{side}_host_us"] = host_us(fn)
+        print(f"{name}: layer device ms / host us: duo {res['duo_device_ms']:.3f} / {res['duo_host_us']:.0f}, dense "
+              f"{res['dense_device_ms']:.3f} / {res['dense_host_us']:.0f}", flush=True)  # kept if the call is cut
         res["duo_host_us_checking_every_call"] = host_us(lambda: duo_layer(checked=False))
         rows.append((f"mixed {T}", f"{name}: duo layer checking its inputs, making its page views every call, host "
                      f"us/call {res['duo_host_us_checking_every_call']:.0f}", float("nan"), float("nan")))
