@@ -993,6 +993,9 @@ def bench_long_decode(fa, rows, out_json):
             finally:
                 gpu_attention.FLASH_MAX_SPLITS = default_splits
             timed("retrieval only (FA3)", duo_parts(write=False, retrieval="fa3", streaming=False))
+            # as served before the write's launch quantized the queries: K/V stored, then the queries' own launch
+            timed("duo, queries quantized by a launch of their own", duo_parts(retrieval="fa3", overlap=True),
+                  duo_bytes)
             timed("duo, FA3 with a step schedule", duo_parts(retrieval="fa3", schedules={}, overlap=True), duo_bytes)
             timed("duo, streaming after FA3 on one stream", duo_parts(retrieval="fa3"), duo_bytes)
             overlapped = None  # served: the streaming heads already run beside FA3

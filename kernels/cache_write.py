@@ -8,6 +8,8 @@ defines the layout and the fp8 storage (`KVQuant`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -158,18 +160,35 @@ def store_step_rows(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr,
     tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask2)
 
 
+@triton.jit
+def quantize_query_rows(query_ptr, q_heads_ptr, out_ptr, q_scale_ptr, tok, mask, h, num_out_heads,
+                        stride_qt, stride_qh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+    """out[tok, h] = fp8(query[tok, q_heads[h]] / q_scale): the retrieval heads' queries as FlashAttention-3's fp8
+    path takes them, `[num_tokens, num_out_heads, HEAD_DIM]` contiguous."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask2 = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok64 = tok.to(tl.int64)[:, None]
+    q_head = tl.load(q_heads_ptr + h)
+    x = tl.load(query_ptr + tok64 * stride_qt + q_head * stride_qh + offs_d[None, :], mask=mask2, other=0.0)
+    y = fp8_grid(x, 1.0 / tl.load(q_scale_ptr), FP8)
+    tl.store(out_ptr + (tok64 * num_out_heads + h) * HEAD_DIM + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask2)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_retrieval", "num_streaming", "stride", "stream_offset",
-                               "stream_page_heads", "stride_table"])
+                               "stream_page_heads", "stride_table", "num_q_out"])
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr,
                      query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
-                     num_reqs, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads,
+                     query_ptr, q_heads_ptr, q_out_ptr, q_scale_ptr,
+                     num_reqs, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads, num_q_out,
                      stride_kt: tl.int64, stride_kh: tl.int64, stride_vt: tl.int64, stride_vh: tl.int64,
                      stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
                      stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
-                     stride_sh: tl.int64,
+                     stride_sh: tl.int64, stride_qt: tl.int64, stride_qh: tl.int64,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
-    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x (R + S))."""
+                     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, QUERIES: tl.constexpr):
+    """One program stores BLOCK_T tokens of one request for one head (grid: tiles x (R + S)); with QUERIES the
+    programs of columns R + S + h (grid: tiles x (R + S + num_q_out)) quantize retrieval query head h instead."""
     tile = tl.program_id(0)
     j = tl.program_id(1)
     req = find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_T)
@@ -180,6 +199,12 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr
         return
     num_cached = tl.load(seq_lens_ptr + req) - (q_end - q_start)
     tok = t0 + tl.arange(0, BLOCK_T)
+    if QUERIES:
+        if j >= num_retrieval + num_streaming:
+            quantize_query_rows(query_ptr, q_heads_ptr, q_out_ptr, q_scale_ptr, tok, tok < q_end,
+                                j - num_retrieval - num_streaming, num_q_out, stride_qt, stride_qh, HEAD_DIM,
+                                BLOCK_D, FP8)
+            return
     store_step_rows(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr, k_scale_ptr,
                     v_scale_ptr, block_table_ptr + req * stride_table, tok, num_cached + tok - q_start, tok < q_end,
                     j, num_retrieval, num_streaming, stride, stream_offset, stream_page_heads, stride_kt, stride_kh,
@@ -241,9 +266,20 @@ def check_attention(query: torch.Tensor, output: torch.Tensor, cache: torch.Tens
     return stream_cache
 
 
+class QueriesToQuantize(NamedTuple):
+    """`write_kv`'s query quantization: `out[t, h] = fp8(query[t, heads[h]] / scale)`, `out` `[num_tokens,
+    len(heads), head_dim]` contiguous in the cache's fp8 dtype, `scale` a float32 tensor on the device."""
+
+    query: torch.Tensor
+    heads: torch.Tensor
+    out: torch.Tensor
+    scale: torch.Tensor
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-             stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None, checked: bool = False) -> None:
+             stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None, checked: bool = False,
+             queries: QueriesToQuantize | None = None) -> None:
     """Store every new token's K/V: retrieval heads in their pages, streaming heads in their page groups. One
     launch; run it before attention, which reads the cache alone.
 
@@ -257,6 +293,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         quant: the k/v scales of an fp8 cache (default 1); its rounding is always to nearest even.
         checked: the caller has validated these inputs (`attention.write_step`, once per layer call: the checks
             cost host time that mixed steps, run outside CUDA graphs, pay per launch).
+        queries: over an fp8 cache, the same launch also quantizes the retrieval heads' queries for FlashAttention
+            (`queries.retrieval_queries`): one launch fewer before it.
     """
     stream_cache = cache if stream_cache is None else stream_cache
     if not checked:
@@ -268,11 +306,18 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
     if num_heads == 0 or num_tokens == 0 or num_reqs == 0:
         return
     head_dim = cache.shape[-1]
-    grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads)
+    if queries is not None and not fp8_format(cache):
+        raise ValueError("write_kv quantizes queries over an fp8 cache only")
+    k_scale, v_scale = scale_tensors(quant, cache)
+    q = queries or QueriesToQuantize(key, heads.retrieval_kv, key, k_scale)  # unread stand-ins
+    num_q_out = q.out.shape[1] if queries is not None else 0
+    grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads + num_q_out)
     launch(_write_kv_kernel, grid)(
         key, value, cache, stream_cache, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,
-        block_table, *scale_tensors(quant, cache),
+        block_table, k_scale, v_scale, q.query, q.heads, q.out, q.scale,
         num_reqs, heads.num_retrieval, heads.num_streaming, heads.stride, heads.stream_offset, stream_cache.shape[3],
-        *key.stride()[:2], *value.stride()[:2], block_table.stride(0), *cache.stride()[:4], *stream_cache.stride()[:4],
+        num_q_out, *key.stride()[:2], *value.stride()[:2], block_table.stride(0), *cache.stride()[:4],
+        *stream_cache.stride()[:4], *q.query.stride()[:2],
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
-        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), num_warps=4)
+        BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), QUERIES=queries is not None, num_warps=4)
+

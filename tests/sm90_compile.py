@@ -50,7 +50,9 @@ def pointer_types(model: torch.dtype, cache: torch.dtype) -> dict[str, str]:
                                 "rows_lse_ptr"),
                                "fp32"))
     types.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales))
-    types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr", "labels_ptr"), "i64"))
+    types.update(dict.fromkeys(("retrieval_kv_ptr", "streaming_kv_ptr", "labels_ptr", "q_heads_ptr"), "i64"))
+    # the write's query quantization (fp8 caches: FlashAttention's fp8 queries, the q scale), unread stand-ins else
+    types.update(q_out_ptr=TRITON_TYPES[cache if cache in FP8_FORMATS else model], q_scale_ptr=scales)
     types.update(units_ptr="fp32", centres_ptr="bf16")  # clustering's float32 unit keys, its centres in bf16
     return {name: "*" + t for name, t in types.items()}
 
@@ -99,7 +101,9 @@ def cases():
         shape = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, FP8=fp8)
         tag = f"{TRITON_TYPES[model]}/{TRITON_TYPES[cache]} G={G} d={head_dim}"
         if "write" in variants:
-            yield f"write_kv {tag}", _write_kv_kernel, model, cache, dict(shape, BLOCK_T=WRITE_BLOCK_T), {}
+            # over fp8 as served beside FlashAttention: the launch also quantizes the retrieval heads' queries
+            yield (f"write_kv {tag}", _write_kv_kernel, model, cache,
+                   dict(shape, BLOCK_T=WRITE_BLOCK_T, QUERIES=bool(fp8)), {})
 
         if "prefill" in variants:
             def prefill_shape(store: bool) -> tuple[dict, dict]:  # (constants, launch options) as prefill_attention's

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Triton duo kernels against kernels/reference.py: on the CPU interpreter with small shapes, on CUDA with full ones."""
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -654,6 +655,26 @@ def test_retrieval_queries_for_flash_attention(retrieval):
     fp8 = retrieval_queries(query, heads, torch.float8_e4m3fn, q_scale)
     assert fp8.is_contiguous() and fp8.shape == expected.shape
     assert torch.equal(fp8.view(torch.uint8), quantize(expected, q_scale, torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["chunked_mixed", "pooled_streaming", "decode_gqa3", "all_retrieval"])
+def test_the_write_quantizes_the_queries_in_its_launch(name):
+    """Over an e4m3 cache the step's K/V store and FlashAttention's queries come from one launch: the caches byte
+    for byte as `write_kv` alone stores them, the queries byte-equal to torch's rounding (reference.quantize)."""
+    from vllm_duo.kernels.queries import retrieval_queries
+
+    case = make_case(PRESETS[name], kv_dtype=torch.float8_e4m3fn, quant=SCALES)
+    query, q_scale = case.query * 40, torch.tensor(0.37)  # some saturate at 448
+    cache, stream = case.fresh_caches()
+    launched = []
+    write = functools.partial(write_kv, case.key, case.value, cache, case.heads, case.qsl, case.sl,
+                              case.block_table, stream, SCALES)
+    queries = retrieval_queries(query, case.heads, torch.float8_e4m3fn, q_scale,
+                                write=lambda **kw: launched.append(kw) or write(**kw))
+    assert [set(kw) for kw in launched] == [{"queries"}]  # the write's launch made them
+    expected = quantize(query[:, case.heads.retrieval_q], q_scale, torch.float8_e4m3fn)
+    assert torch.equal(queries.view(torch.uint8), expected.view(torch.uint8))
+    assert_caches_equal((cache, stream), written_caches(case, SCALES))
 
 
 def test_rejects_int64_metadata():

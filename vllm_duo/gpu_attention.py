@@ -78,12 +78,16 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     # a multi-token step beside FlashAttention stores its K/V in the streaming heads' launch (16-bit caches)
     store = (store_in_streaming and by_flash and max_query_len > 1 and squeezed is None
              and key.dtype == cache.dtype == stream_cache.dtype)
-    if not (squeezed_step or store):  # else stored beside the lookup (squeezed_decode) or by the streaming heads
-        write()
+    flash_reads_retrieval = by_flash and heads.num_retrieval
+    # the step's K/V stored first, over fp8 in the launch that quantizes FlashAttention's queries (flash_queries);
+    # else beside the lookup (squeezed_decode) or by the streaming heads' launch
+    queries = None
+    if not (squeezed_step or store):
+        queries = flash_queries(query, heads, cache, quant, write) if flash_reads_retrieval else write()
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash, fresh_kv=(key, value), store=store)
-    if not (by_flash and heads.num_retrieval):
+    if not flash_reads_retrieval:
         streaming()
         if squeezed is not None:
             squeezed(None)
@@ -95,11 +99,11 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         seq_lens if retrieval_seq_lens is None else retrieval_seq_lens, retrieval_table, scale,
         output, max_query_len, max_seq_len, quant,
         num_splits=min(max_num_splits, FLASH_MAX_SPLITS) if max_query_len == 1 else 0,
-        schedules=flash_schedules if max_query_len > 1 else None, pages=flash_pages)
+        schedules=flash_schedules if max_query_len > 1 else None, pages=flash_pages, queries=queries)
     rows_part = functools.partial(selected_rows_attention, flash, cache=cache, heads=heads,
                                   query_start_loc=query_start_loc, scale=scale, output=output, quant=quant)
     if squeezed_step:
-        squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant), write, flash_part, rows_part,
+        squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant, write), flash_part, rows_part,
                         streaming if heads.num_streaming else None, squeezed, query.device)
     elif two_streams and heads.num_streaming and squeezed is None:
         beside(streaming, flash_part, query.device)
@@ -113,25 +117,24 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         streaming()
 
 
-def squeezed_decode(make_queries: Callable[[], torch.Tensor], write: Callable[[], None], window_part, rows_part,
+def squeezed_decode(store_and_make_queries: Callable[[], torch.Tensor], window_part, rows_part,
                     streaming: Callable[[], None] | None, squeezed: Callable[[Callable], None],
                     device: torch.device) -> None:
     """The squeeze's decode step on two streams. On the current one the lookup, then FlashAttention's row pass over
     the sinks, the selected keys and the window's newest (this step's among them), then the merge; beside it the
-    retrieval queries as FlashAttention takes them, the step's K/V store (`write`), the window pass over the rest of
-    the window (in most steps no key: a few launches) and the streaming heads, in launches that leave most SMs
-    idle, as the lookup's do.
+    step's K/V store and the retrieval queries as FlashAttention takes them (`store_and_make_queries`: one launch
+    over fp8), the window pass over the rest of the window (in most steps no key: a few launches) and the streaming
+    heads, in launches that leave most SMs idle, as the lookup's do.
 
         current: logits, scores, bands, ends, row pages | wait queries and K/V | row pass | wait window | merge
-        beside:  queries | K/V store | window pass | streaming heads
+        beside:  K/V store and queries | window pass | streaming heads
     """
     main, side = torch.cuda.current_stream(device), side_stream(device)
     made = {}
     stored, window_done = torch.cuda.Event(), torch.cuda.Event()
 
     def beside_lookup() -> None:
-        made["queries"] = make_queries()
-        write()
+        made["queries"] = store_and_make_queries()
         stored.record(side)
         made["window_lse"] = window_part(with_lse=True, queries=made["queries"])[1]
         window_done.record(side)
@@ -249,13 +252,14 @@ def retrieval_page_views(cache: torch.Tensor, heads: LayerHeads) -> tuple[torch.
     return cache[:, 0, :, :R], cache[:, 1, :, :R]
 
 
-def flash_queries(query: torch.Tensor, heads: LayerHeads, cache: torch.Tensor,
-                  quant: KVQuant | None = None) -> torch.Tensor:
+def flash_queries(query: torch.Tensor, heads: LayerHeads, cache: torch.Tensor, quant: KVQuant | None = None,
+                  write: Callable[..., None] | None = None) -> torch.Tensor:
     """The retrieval heads' queries `[num_tokens, R * G, head_dim]` as FlashAttention takes them: over an fp8 cache
-    quantized by the layer's q scale (one launch), else as they are (a view where the weights put them first)."""
+    quantized by the layer's q scale (one launch), else as they are (a view where the weights put them first).
+    `write`: the step's `write_kv`, run too; over an fp8 cache its launch is the one that quantizes."""
     if cache.dtype == torch.float8_e4m3fn:
-        return retrieval_queries(query, heads, cache.dtype, flash_q_scale(quant, cache))
-    return retrieval_queries(query, heads)
+        return retrieval_queries(query, heads, cache.dtype, flash_q_scale(quant, cache), write)
+    return retrieval_queries(query, heads, write=write)
 
 
 def selected_rows_attention(flash, queries: torch.Tensor, window_lse: Callable[[], torch.Tensor],
