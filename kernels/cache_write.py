@@ -320,4 +320,3 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         *stream_cache.stride()[:4], *q.query.stride()[:2],
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=WRITE_BLOCK_T,
         BLOCK_SIZE=cache.shape[2], FP8=fp8_format(cache), QUERIES=queries is not None, num_warps=4)
-
