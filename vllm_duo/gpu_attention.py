@@ -82,8 +82,10 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     # the step's K/V stored first, over fp8 in the launch that quantizes FlashAttention's queries (flash_queries);
     # else beside the lookup (squeezed_decode) or by the streaming heads' launch
     queries = None
-    if not (squeezed_step or store):
-        queries = flash_queries(query, heads, cache, quant, write) if flash_reads_retrieval else write()
+    if flash_reads_retrieval and not (squeezed_step or store):
+        queries = flash_queries(query, heads, cache, quant, write)
+    elif not (squeezed_step or store):
+        write()
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
                                   scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash, fresh_kv=(key, value), store=store)

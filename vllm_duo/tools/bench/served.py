@@ -139,14 +139,16 @@ class Server:
     engine_args: list[str]
     log: Path
     port: int = 0
-    command: list[str] | None = None
     startup_s: float = 0.0
     not_ready: str | None = None
     process: subprocess.Popen | None = None
 
     def take_port(self) -> None:
         self.port = free_port()
-        self.command = server_command(self.engine_args, self.port)
+
+    @property
+    def command(self) -> list[str]:
+        return server_command(self.engine_args, self.port)
 
 
 def run_served(results: Results, workload: Workload, variant: Variant, progress) -> None:
