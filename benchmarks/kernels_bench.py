@@ -985,13 +985,23 @@ def bench_long_decode(fa, rows, out_json):
         timed("write only", duo_parts(retrieval=None, streaming=False))
         timed("streaming only (Triton)", duo_parts(write=False, streaming=True))
         if fp8 and fa3 is not None:
-            default_splits = gpu_attention.FLASH_MAX_SPLITS
-            try:
-                for cap in LONG_DECODE_FLASH_SPLITS:
-                    gpu_attention.FLASH_MAX_SPLITS = cap
+            for cap in LONG_DECODE_FLASH_SPLITS:
+                with patch.object(gpu_attention, "FLASH_MAX_SPLITS", cap):
                     timed(f"duo, FA3 splits {cap}", duo_step, duo_bytes)
-            finally:
-                gpu_attention.FLASH_MAX_SPLITS = default_splits
+            # how the streaming heads share the GPU with FA3 (gpu_attention's two settings), checked against eager
+            for label, streaming, flash_first in (
+                    ("duo, streaming heads one program each beside FA3", "whole", False),
+                    ("duo, FA3 enqueued before the streaming heads", "split", True),
+                    ("duo, one program each, FA3 enqueued first", "whole", True),
+                    ("duo, streaming heads in the store's launch, nothing beside FA3", "stored", False)):
+                with (patch.object(gpu_attention, "DECODE_STREAMING", streaming),
+                      patch.object(gpu_attention, "FLASH_ISSUED_FIRST", flash_first)):
+                    graph = timed(label, duo_step, duo_bytes, keep=True)
+                if graph is not None:
+                    outs.fill_(float("nan"))
+                    graph.replay()
+                    res[f"{label} vs eager rel_err"] = rel_err(outs, eager)
+                del graph
             timed("retrieval only (FA3)", duo_parts(write=False, retrieval="fa3", streaming=False))
             # as served before the write's launch quantized the queries: K/V stored, then the queries' own launch
             timed("duo, queries quantized by a launch of their own", duo_parts(retrieval="fa3", overlap=True),

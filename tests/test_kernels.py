@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its CPU interpreter without a GPU)")
 
+from vllm_duo import gpu_attention  # noqa: E402
 from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
 from vllm_duo.kernels import attention  # noqa: E402
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
@@ -677,6 +678,44 @@ def test_the_write_quantizes_the_queries_in_its_launch(name):
     assert_caches_equal((cache, stream), written_caches(case, SCALES))
 
 
+# decode batches (and a CUDA graph's padding rows), with streaming K/V pooled in another layer's cache too
+DECODE_PRESETS = {**{name: PRESETS[name] for name in ("decode_gqa3", "decode_mha", "graph_padding")},
+                  "decode_pooled": Preset(8, 4, (0,), ((50, 1), (20, 1), (3, 1)), stream_host=(3, 37)),
+                  "decode_pooled_layer": Preset(6, 3, (), ((45, 1), (9, 1), (0, 1)), stream_host=(2, 5))}
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("name", DECODE_PRESETS)
+def test_the_store_launch_attends_the_streaming_heads(name, kv_dtype):
+    """A decode step's streaming heads attended in the launch that stores its K/V (gpu_attention's DECODE_STREAMING
+    "stored"): the caches byte for byte as the reference stores them, the streaming heads as the reference attends
+    them (their newest key read back from the store), the retrieval heads left to FlashAttention; over fp8,
+    FlashAttention's queries from the same launch, byte-equal to torch's rounding."""
+    from vllm_duo.kernels.cache_write import QueriesToQuantize
+    from vllm_duo.kernels.decode import store_and_decode_streaming
+
+    quant = SCALES if kv_dtype else None
+    case = make_case(DECODE_PRESETS[name], kv_dtype=kv_dtype, quant=quant)
+    heads = case.heads
+    ref, ref_caches = case.reference()
+    cache, stream = case.fresh_caches()
+    if heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it writes
+        (cache, stream), ref_caches = (stream, None), (ref_caches[1], None)
+    out = case.poisoned_output()
+    queries = None
+    if kv_dtype is not None:
+        fp8 = torch.empty(case.query.shape[0], heads.retrieval_q.numel(), case.query.shape[-1], dtype=kv_dtype)
+        queries = QueriesToQuantize(case.query, heads.retrieval_q, fp8, torch.tensor(0.37))
+    store_and_decode_streaming(case.query, case.key, case.value, cache, heads, case.qsl, case.sl, case.block_table,
+                               case.scale, out, stream, quant, queries)
+    assert_caches_equal((cache, stream), ref_caches)
+    assert_close(out[:, heads.streaming_q], ref[:, heads.streaming_q], torch.float32)
+    assert out[:, heads.retrieval_q].isnan().all()
+    if queries is not None:
+        expected = quantize(case.query[:, heads.retrieval_q], torch.tensor(0.37), kv_dtype)
+        assert torch.equal(queries.out.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_rejects_int64_metadata():
     case = make_case(PRESETS["decode_mha"])
     with pytest.raises(ValueError, match="int32"):
@@ -780,10 +819,16 @@ def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_decode_cuda_graph(kv_dtype):
+@pytest.mark.parametrize("kv_dtype, streaming, flash_first", [
+    (torch.bfloat16, "split", False), (torch.float8_e4m3fn, "split", False),
+    # each other way gpu_attention runs the streaming heads beside (or before) FlashAttention's decode
+    (torch.float8_e4m3fn, "whole", False), (torch.float8_e4m3fn, "split", True),
+    (torch.float8_e4m3fn, "whole", True), (torch.float8_e4m3fn, "stored", False)])
+def test_decode_cuda_graph(kv_dtype, streaming, flash_first, monkeypatch):
     """A decode step captured once replays correctly on new inputs written into the same buffers, and on new
     scales (vLLM's --calculate-kv-scales sets them after capture)."""
+    monkeypatch.setattr(gpu_attention, "DECODE_STREAMING", streaming)
+    monkeypatch.setattr(gpu_attention, "FLASH_ISSUED_FIRST", flash_first)
     quant = cuda_scales() if kv_dtype != torch.bfloat16 else None
     case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     qsl, sl, out = case.qsl, case.sl, case.poisoned_output()

@@ -22,7 +22,7 @@ import torch
 from vllm_duo import vllm_seam
 from vllm_duo.kernels.attention import triton_attention, write_step
 from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
-from vllm_duo.kernels.decode import _sm_count
+from vllm_duo.kernels.decode import _sm_count, store_and_decode_streaming
 from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 from vllm_duo.kernels.row_pages import merge_rows, row_views
@@ -79,6 +79,12 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     store = (store_in_streaming and by_flash and max_query_len > 1 and squeezed is None
              and key.dtype == cache.dtype == stream_cache.dtype)
     flash_reads_retrieval = by_flash and heads.num_retrieval
+    # a decode step's streaming heads beside FlashAttention, or in the launch that stores the step (DECODE_STREAMING)
+    beside_flash = two_streams and flash_reads_retrieval and heads.num_streaming and squeezed is None
+    stored_with_streaming = beside_flash and DECODE_STREAMING == "stored"
+    if stored_with_streaming:
+        write = functools.partial(store_and_decode_streaming, query, key, value, cache, heads, query_start_loc,
+                                  seq_lens, block_table, scale, output, stream_cache, quant)
     # the step's K/V stored first, over fp8 in the launch that quantizes FlashAttention's queries (flash_queries);
     # else beside the lookup (squeezed_decode) or by the streaming heads' launch
     queries = None
@@ -86,8 +92,9 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         queries = flash_queries(query, heads, cache, quant, write)
     elif not (squeezed_step or store):
         write()
+    streaming_splits = 1 if beside_flash and DECODE_STREAMING == "whole" else max_num_splits
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
-                                  scale, output, max_query_len, max_num_splits, stream_cache, quant,
+                                  scale, output, max_query_len, streaming_splits, stream_cache, quant,
                                   streaming_only=by_flash, fresh_kv=(key, value), store=store)
     if not flash_reads_retrieval:
         streaming()
@@ -107,8 +114,10 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if squeezed_step:
         squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant, write), flash_part, rows_part,
                         streaming if heads.num_streaming else None, squeezed, query.device)
-    elif two_streams and heads.num_streaming and squeezed is None:
-        beside(streaming, flash_part, query.device)
+    elif stored_with_streaming:
+        flash_part()
+    elif beside_flash:
+        beside(streaming, flash_part, query.device, main_first=FLASH_ISSUED_FIRST)
     elif store:  # FlashAttention reads the retrieval pages once the streaming heads' launch stored them
         streaming()
         flash_part()
@@ -154,9 +163,10 @@ def squeezed_decode(store_and_make_queries: Callable[[], torch.Tensor], window_p
     beside(beside_lookup, lambda: squeezed(attend), device)
 
 
-def beside(side_work, main_work, device: torch.device) -> None:
+def beside(side_work, main_work, device: torch.device, main_first: bool = False) -> None:
     """`side_work` on a second stream while `main_work` runs on the current one; both start after everything queued
-    so far and finish before anything queued after.
+    so far and finish before anything queued after. `main_first` enqueues `main_work` before `side_work` (the GPU
+    hands out the SMs to the kernel enqueued first).
 
     Decode over a long context is FlashAttention streaming the retrieval heads' pages; the streaming heads' few
     hundred keys per head are a chain of short dependent tiles that leave most SMs idle, so beside it they cost
@@ -165,9 +175,12 @@ def beside(side_work, main_work, device: torch.device) -> None:
     graph's pool, as the capture stream's do)."""
     main, side = torch.cuda.current_stream(device), side_stream(device)
     side.wait_stream(main)
+    if main_first:
+        main_work()
     with torch.cuda.stream(side):
         side_work()
-    main_work()
+    if not main_first:
+        main_work()
     main.wait_stream(side)
 
 
@@ -186,6 +199,14 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
+# How a decode step's streaming heads run where FlashAttention takes the retrieval heads: "split" (their sinks and
+# window chunks over programs, merged by a second launch, beside FlashAttention on a second stream), "whole" (one
+# program a head, beside it) or "stored" (one program a head in the launch that stores the step's K/V, before
+# FlashAttention, nothing beside it). At 4 x 64k fp8 the split launches stretch FlashAttention by about their own
+# time, waiting for the SMs its CTAs hold (benchmarks/results/2026-12-07-h100-issue32); kernels_bench.py
+# --long-decode times each choice. FLASH_ISSUED_FIRST: beside it, FlashAttention is enqueued first.
+DECODE_STREAMING = "split"
+FLASH_ISSUED_FIRST = False
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32
