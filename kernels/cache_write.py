@@ -276,6 +276,17 @@ class QueriesToQuantize(NamedTuple):
     scale: torch.Tensor
 
 
+def queries_to_launch(caller: str, queries: QueriesToQuantize | None, cache: torch.Tensor,
+                      stand_in: QueriesToQuantize) -> tuple[QueriesToQuantize, int]:
+    """A launch's query-quantization arguments and how many query heads it quantizes: `queries` (an fp8 cache's
+    only), else `stand_in`, unread (0 heads)."""
+    if queries is None:
+        return stand_in, 0
+    if not fp8_format(cache):
+        raise ValueError(f"{caller} quantizes queries over an fp8 cache only")
+    return queries, queries.out.shape[1]
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None, checked: bool = False,
@@ -306,11 +317,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
     if num_heads == 0 or num_tokens == 0 or num_reqs == 0:
         return
     head_dim = cache.shape[-1]
-    if queries is not None and not fp8_format(cache):
-        raise ValueError("write_kv quantizes queries over an fp8 cache only")
     k_scale, v_scale = scale_tensors(quant, cache)
-    q = queries or QueriesToQuantize(key, heads.retrieval_kv, key, k_scale)  # unread stand-ins
-    num_q_out = q.out.shape[1] if queries is not None else 0
+    q, num_q_out = queries_to_launch("write_kv", queries, cache,
+                                     QueriesToQuantize(key, heads.retrieval_kv, key, k_scale))
     grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads + num_q_out)
     launch(_write_kv_kernel, grid)(
         key, value, cache, stream_cache, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,

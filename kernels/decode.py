@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import (QueriesToQuantize, check_attention, fp8_format, fp8_in_fp16, load_scales,
-                                          quantize_query_rows, scale_tensors, store_step_rows)
+                                          queries_to_launch, quantize_query_rows, scale_tensors, store_step_rows)
 from vllm_duo.kernels.launch import cdiv, launch, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, streaming_kv
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
@@ -412,14 +412,14 @@ def store_and_decode_streaming(query: torch.Tensor, key: torch.Tensor, value: to
     query length is not 1 are left untouched; inputs checked by the caller (`attention.write_step`)."""
     stream_cache = cache if stream_cache is None else stream_cache
     num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
-    num_q_out = queries.out.shape[1] if queries is not None else 0
+    if queries is not None and queries.query is not query:  # the kernel reads one query tensor for both
+        raise ValueError("store_and_decode_streaming quantizes the step's own queries")
+    k_scale, v_scale = scale_tensors(quant, cache)
+    q, num_q_out = queries_to_launch("store_and_decode_streaming", queries, cache,
+                                     QueriesToQuantize(query, heads.retrieval_q, query, k_scale))
     if query.shape[0] == 0 or num_reqs == 0 or R + S + num_q_out == 0:
         return
-    if queries is not None and (not fp8_format(cache) or queries.query is not query):
-        raise ValueError("store_and_decode_streaming quantizes the step's own queries over an fp8 cache only")
     head_dim = cache.shape[-1]
-    k_scale, v_scale = scale_tensors(quant, cache)
-    q = queries or QueriesToQuantize(query, heads.retrieval_q, query, k_scale)  # unread stand-ins
     launch(_store_decode_kernel, (num_reqs, R + S + num_q_out))(
         query, key, value, cache, stream_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
         seq_lens, block_table, k_scale, v_scale, q.heads, q.out, q.scale, scale * LOG2E, R, S, heads.stride,

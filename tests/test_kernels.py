@@ -691,10 +691,10 @@ def test_the_store_launch_attends_the_streaming_heads(name, kv_dtype):
     "stored"): the caches byte for byte as the reference stores them, the streaming heads as the reference attends
     them (their newest key read back from the store), the retrieval heads left to FlashAttention; over fp8,
     FlashAttention's queries from the same launch, byte-equal to torch's rounding."""
-    from vllm_duo.kernels.cache_write import QueriesToQuantize
     from vllm_duo.kernels.decode import store_and_decode_streaming
+    from vllm_duo.kernels.queries import retrieval_queries
 
-    quant = SCALES if kv_dtype else None
+    quant, q_scale = (SCALES if kv_dtype else None), torch.tensor(0.37)
     case = make_case(DECODE_PRESETS[name], kv_dtype=kv_dtype, quant=quant)
     heads = case.heads
     ref, ref_caches = case.reference()
@@ -702,18 +702,45 @@ def test_the_store_launch_attends_the_streaming_heads(name, kv_dtype):
     if heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it writes
         (cache, stream), ref_caches = (stream, None), (ref_caches[1], None)
     out = case.poisoned_output()
-    queries = None
-    if kv_dtype is not None:
-        fp8 = torch.empty(case.query.shape[0], heads.retrieval_q.numel(), case.query.shape[-1], dtype=kv_dtype)
-        queries = QueriesToQuantize(case.query, heads.retrieval_q, fp8, torch.tensor(0.37))
-    store_and_decode_streaming(case.query, case.key, case.value, cache, heads, case.qsl, case.sl, case.block_table,
-                               case.scale, out, stream, quant, queries)
+    launched = []
+    write = functools.partial(store_and_decode_streaming, case.query, case.key, case.value, cache, heads, case.qsl,
+                              case.sl, case.block_table, case.scale, out, stream, quant)
+    queries = retrieval_queries(case.query, heads, kv_dtype, q_scale,  # as gpu_attention.flash_queries calls it
+                                write=lambda **kw: launched.append(kw) or write(**kw))
+    assert len(launched) == 1
     assert_caches_equal((cache, stream), ref_caches)
     assert_close(out[:, heads.streaming_q], ref[:, heads.streaming_q], torch.float32)
     assert out[:, heads.retrieval_q].isnan().all()
-    if queries is not None:
-        expected = quantize(case.query[:, heads.retrieval_q], torch.tensor(0.37), kv_dtype)
-        assert torch.equal(queries.out.view(torch.uint8), expected.view(torch.uint8))
+    if kv_dtype is not None and heads.num_retrieval:
+        assert set(launched[0]) == {"queries"}  # the same launch made them
+        expected = quantize(case.query[:, heads.retrieval_q], q_scale, kv_dtype)
+        assert torch.equal(queries.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_launches_that_quantize_queries_refuse_a_16_bit_cache(fused):
+    """Queries are quantized to an fp8 cache's dtype only: a 16-bit cache with queries to quantize is refused by both
+    launches that can quantize them (and the fused one refuses another tensor's queries: it reads one for both)."""
+    from vllm_duo.kernels.cache_write import QueriesToQuantize
+    from vllm_duo.kernels.decode import store_and_decode_streaming
+
+    case = make_case(PRESETS["decode_gqa3"])
+    out = torch.empty(case.query.shape[0], case.heads.retrieval_q.numel(), case.query.shape[-1],
+                      dtype=torch.float8_e4m3fn)
+    queries = QueriesToQuantize(case.query, case.heads.retrieval_q, out, torch.tensor(1.0))
+    cache, stream = case.fresh_caches()
+    if fused:
+        def launch(q):
+            store_and_decode_streaming(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl,
+                                       case.block_table, case.scale, case.poisoned_output(), stream, queries=q)
+    else:
+        def launch(q):
+            write_kv(case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table, stream, queries=q)
+    with pytest.raises(ValueError, match="quantizes queries over an fp8 cache only"):
+        launch(queries)
+    if fused:
+        with pytest.raises(ValueError, match="the step's own queries"):
+            launch(queries._replace(query=case.query.clone()))
 
 
 def test_rejects_int64_metadata():
