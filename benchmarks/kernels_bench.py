@@ -97,7 +97,8 @@ def _import_kernels_from_checkout() -> None:
 
 _import_kernels_from_checkout()
 from vllm_duo.gpu_attention import duo_attention_gpu, retrieval_page_views  # noqa: E402
-from vllm_duo.kernels.decode import decode_attention, decode_num_splits  # noqa: E402
+from vllm_duo.kernels.decode import (MIN_SPLIT_TOKENS, DecodeTiles, decode_attention,  # noqa: E402
+                                     decode_num_splits)
 from vllm_duo.kernels.prefill import prefill_attention  # noqa: E402
 from vllm_duo.kernels import cache_write  # noqa: E402
 from vllm_duo.kernels.reference import KVQuant, LayerHeads, duo_attention  # noqa: E402
@@ -734,6 +735,12 @@ def bench_mixed(fa, rows, out_json):
 # Long decode (issue 32): (batch, context, cache dtype) of whole 32-layer decode steps, each one CUDA graph replay.
 LONG_DECODE_SHAPES = ((4, 65536, torch.float8_e4m3fn), (4, 131072, torch.float8_e4m3fn), (4, 65536, DTYPE))
 LONG_DECODE_FLASH_SPLITS = (4, 8, 16, 64)  # FLASH_MAX_SPLITS tried besides the served 32
+# Triton decode tiles tried over fp8 pages, the first as decode_tiles serves every dtype. Over fp8 (sm_90 compile,
+# this Triton) the served tiles take 180 registers and 37 KB of shared memory: 2 programs an SM with 74 KB of
+# pages in flight, where bf16's take 142 and 70 KB (3 programs, 210 KB); more stages or wider tiles at 8 warps
+# raise what is in flight without spills (128 keys at 4 warps spill)
+LONG_DECODE_FP8_TILES = tuple(DecodeTiles(block_n, MIN_SPLIT_TOKENS, stages, warps) for block_n, stages, warps in
+                              ((64, 3, 4), (64, 5, 4), (64, 8, 4), (128, 4, 8), (128, 6, 8), (256, 2, 8)))
 LONG_DECODE_REPLAYS = 20
 DENSE_GRAPH_SPLITS = 32  # vLLM's FLASH_ATTN max_num_splits under full CUDA graphs
 
@@ -869,6 +876,7 @@ def bench_long_decode(fa, rows, out_json):
     from vllm.vllm_flash_attn import get_scheduler_metadata
     from vllm_duo import gpu_attention, vllm_seam
     from vllm_duo.gpu_attention import retrieval_flash_attention
+    from vllm_duo.kernels import decode as decode_module
     from vllm_duo.kernels.attention import triton_attention
     from vllm_duo.pattern import resolve_pattern
 
@@ -902,11 +910,11 @@ def bench_long_decode(fa, rows, out_json):
                    retrieval_counts=counts, duo_splits=splits, duo_kv_bytes=duo_bytes, dense_kv_bytes=dense_bytes,
                    variants_ms={}, errors={})
 
-        def duo_step():
+        def duo_step(flash_allowed=True):
             for i, R in enumerate(counts):
                 d = layouts[R]
                 duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE, outs[i], 1, max_len,
-                                  quant=quant, retrieval_table=retrieval_tables[R])
+                                  quant=quant, retrieval_table=retrieval_tables[R], flash_allowed=flash_allowed)
 
         def duo_parts(write=True, retrieval=None, streaming=True, overlap=False, schedules=None):
             """A duo step of chosen parts: the cache write, the retrieval heads (by "fa3" as served for fp8, or
@@ -1003,6 +1011,25 @@ def bench_long_decode(fa, rows, out_json):
                     res[f"{label} vs eager rel_err"] = rel_err(outs, eager)
                 del graph
             timed("retrieval only (FA3)", duo_parts(write=False, retrieval="fa3", streaming=False))
+            # could Triton's decode read the fp8 pages faster than FA3 with other tiles (it reads bf16 ones at ~83%
+            # of nominal)? The retrieval heads alone per tile, then every head by Triton (as bf16 is served) with
+            # the fastest, checked against the eager step
+            triton_ms = {}
+            for tiles in LONG_DECODE_FP8_TILES:
+                with patch.object(decode_module, "decode_tiles", lambda *_, t=tiles: t):
+                    label = f"retrieval only (Triton), {tiles.block_n} keys, {tiles.stages} stages, {tiles.warps} warps"
+                    timed(label, duo_parts(write=False, retrieval="triton", streaming=False))
+                    triton_ms[tiles] = res["variants_ms"][label]
+            fastest = min(triton_ms, key=lambda t: (triton_ms[t] != triton_ms[t], triton_ms[t]))  # NaN (failed) last
+            res["fp8_triton_fastest_tiles"] = fastest._asdict()
+            with patch.object(decode_module, "decode_tiles", lambda *_: fastest):
+                label = "duo, every head by Triton (fastest tiles), no FA3"
+                graph = timed(label, functools.partial(duo_step, flash_allowed=False), duo_bytes, keep=True)
+                if graph is not None:
+                    outs.fill_(float("nan"))
+                    graph.replay()
+                    res[f"{label} vs eager rel_err"] = rel_err(outs, eager)
+                del graph
             # as served before the write's launch quantized the queries: K/V stored, then the queries' own launch
             timed("duo, queries quantized by a launch of their own", duo_parts(retrieval="fa3", overlap=True),
                   duo_bytes)

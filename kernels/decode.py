@@ -19,6 +19,7 @@ shapes: CUDA-graph capturable.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -314,15 +315,23 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int]:
-    """(keys per tile, shortest split, pipeline stages) of the decode kernel.
+class DecodeTiles(NamedTuple):
+    """The decode kernels' launch shape: keys per tile, shortest split in tokens, pipeline stages, warps."""
 
-    Tiles are a multiple of the 16-token block: 64 keys, 32 for head_dim 256 (64 spills registers at
-    4 warps). The CPU interpreter takes 16 and one-tile splits, so that tests cross tiles and splits.
+    block_n: int
+    min_split: int
+    stages: int
+    warps: int
+
+
+def decode_tiles(head_dim: int, device: torch.device) -> DecodeTiles:
+    """The decode kernels' tiles: a multiple of the 16-token block, 64 keys, 32 for head_dim 256 (64 spills registers
+    at 4 warps). The CPU interpreter takes 16 and one-tile splits, so that tests cross tiles and splits.
+    kernels_bench.py --long-decode tries others over fp8 caches.
     """
     if device.type != "cuda":
-        return 16, 16, 1
-    return (64 if head_dim <= 128 else 32), MIN_SPLIT_TOKENS, 3
+        return DecodeTiles(16, 16, 1, 4)
+    return DecodeTiles(64 if head_dim <= 128 else 32, MIN_SPLIT_TOKENS, 3, 4)
 
 
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
@@ -368,8 +377,8 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         return
     head_dim, G = cache.shape[-1], heads.group_size
     block_d = next_power_of_2(head_dim)
-    block_n, default_min_split, num_stages = decode_tiles(head_dim, cache.device)
-    min_split = min_split or default_min_split
+    tiles = decode_tiles(head_dim, cache.device)
+    block_n, min_split = tiles.block_n, min_split or tiles.min_split
     # streaming heads: the sinks, then the window in chunks of whole tiles, at most STREAM_WINDOW_SPLIT keys on GPU
     # (min_split on the CPU interpreter)
     window_chunk = STREAM_WINDOW_SPLIT if cache.is_cuda else min_split
@@ -392,7 +401,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
         MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        num_warps=4, num_stages=num_stages)
+        num_warps=tiles.warps, num_stages=tiles.stages)
     if merged:
         launch(_merge_kernel, (num_reqs, len(merged) * G))(
             output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
@@ -427,5 +436,5 @@ def store_and_decode_streaming(query: torch.Tensor, key: torch.Tensor, value: to
         *query.stride()[:2], *key.stride()[:2], *value.stride()[:2], *output.stride()[:2], block_table.stride(0),
         *cache.stride()[:4], *stream_cache.stride()[:4],
         G=heads.group_size, BLOCK_G=max(16, next_power_of_2(heads.group_size)), BLOCK_N=decode_tiles(head_dim,
-        cache.device)[0], HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=cache.shape[2],
+        cache.device).block_n, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=cache.shape[2],
         FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), QUERIES=queries is not None, num_warps=4)

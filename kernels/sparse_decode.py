@@ -186,8 +186,8 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         return
     head_dim, G, max_selected = cache.shape[-1], heads.group_size, selected.shape[-1]
     block_d = next_power_of_2(head_dim)
-    block_n, default_min_split, num_stages = decode_tiles(head_dim, cache.device)
-    min_split = min_split or default_min_split
+    tiles = decode_tiles(head_dim, cache.device)
+    block_n, min_split = tiles.block_n, min_split or tiles.min_split
     if max_num_splits is None:
         max_num_splits = decode_num_splits(num_reqs, R, sink + max_selected + recent, cache.device)
     part_out = part_lse = output  # unused placeholders when nothing is split
@@ -202,7 +202,8 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         *selected.stride()[:2], *num_selected.stride(),
         G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
-        FP16=fp8_in_fp16(cache, query), CONTEXT_ENDS=context_ends is not None, num_warps=4, num_stages=num_stages)
+        FP16=fp8_in_fp16(cache, query), CONTEXT_ENDS=context_ends is not None, num_warps=tiles.warps,
+        num_stages=tiles.stages)
     if max_num_splits > 1:
         launch(_sparse_merge_kernel, (num_reqs, R * G))(
             output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, num_selected,

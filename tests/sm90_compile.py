@@ -122,7 +122,8 @@ def cases():
                 yield (f"prefill streaming heads storing the step {tag}", _prefill_kernel, model, cache,
                        dict(constants, STREAMING_ONLY=True, FRESH_KV=True), config)
 
-        block_n, min_split, num_stages = decode_tiles(head_dim, CUDA)
+        tiles = decode_tiles(head_dim, CUDA)
+        block_n, min_split = tiles.block_n, tiles.min_split
         splits = ((1, 1), (64, 2)) if "decode without splits" in variants else ((64, 2),)
         for max_splits, stream_splits in splits:
             parts = max(max_splits, stream_splits)
@@ -130,7 +131,7 @@ def cases():
                              MAX_SPLITS=max_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
                              WINDOW_SPLIT=min_split, FP16=fp16)
             yield (f"decode {tag} splits {max_splits}/{stream_splits}", _decode_kernel, model, cache, constants,
-                   dict(num_warps=4, num_stages=num_stages))
+                   dict(num_warps=tiles.warps, num_stages=tiles.stages))
             if parts > 1 and "merge" in variants:
                 constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
                                  MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split, WINDOW_SPLIT=min_split,
@@ -147,7 +148,7 @@ def cases():
                 constants = dict(shape, G=G, BLOCK_G=block_g, BLOCK_N=block_n, MAX_SPLITS=max_splits,
                                  MIN_SPLIT=min_split, FP16=fp16, CONTEXT_ENDS=True)
                 yield (f"sparse decode {tag} splits {max_splits}", _sparse_decode_kernel, model, cache, constants,
-                       dict(num_warps=4, num_stages=num_stages))
+                       dict(num_warps=tiles.warps, num_stages=tiles.stages))
             constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], MAX_SPLITS=64,
                              MIN_SPLIT=min_split, BLOCK_S=64, CONTEXT_ENDS=True)
             yield f"sparse merge {tag} splits 64", _sparse_merge_kernel, model, cache, constants, {}
