@@ -186,7 +186,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         return
     head_dim, G, max_selected = cache.shape[-1], heads.group_size, selected.shape[-1]
     block_d = next_power_of_2(head_dim)
-    tiles = decode_tiles(head_dim, cache.device)
+    tiles = decode_tiles(head_dim, cache.device, bool(fp8_format(cache)))
     block_n, min_split = tiles.block_n, min_split or tiles.min_split
     if max_num_splits is None:
         max_num_splits = decode_num_splits(num_reqs, R, sink + max_selected + recent, cache.device)

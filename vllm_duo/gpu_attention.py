@@ -71,7 +71,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                               stream_cache, quant, checked=True)
     flash = (vllm_seam.flash_attn_varlen(cache.device)
              if flash_allowed and (query.dtype, cache.dtype) in FLASH_DTYPES else None)
-    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn
+    by_flash = flash is not None and (max_query_len > 1 or (cache.dtype == torch.float8_e4m3fn and FP8_DECODE_BY_FLASH)
                                       or retrieval_seq_lens is not None)
     two_streams = max_query_len == 1 and cache.is_cuda  # a decode step's passes side by side; elsewhere in turn
     squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
@@ -207,6 +207,9 @@ FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)
 # --long-decode times each choice. FLASH_ISSUED_FIRST: beside it, FlashAttention is enqueued first.
 DECODE_STREAMING = "split"
 FLASH_ISSUED_FIRST = False
+# Decode over fp8 pages: the retrieval heads by FlashAttention (True), or every head by the Triton decode with its
+# fp8 tiles (kernels/decode.py FP8_DECODE_TILES), as bf16 decode is served; kernels_bench.py --long-decode times both.
+FP8_DECODE_BY_FLASH = True
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32
