@@ -846,16 +846,19 @@ def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype, streaming, flash_first", [
-    (torch.bfloat16, "split", False), (torch.float8_e4m3fn, "split", False),
+@pytest.mark.parametrize("kv_dtype, streaming, flash_first, fp8_by_flash", [
+    (torch.bfloat16, "split", False, True), (torch.float8_e4m3fn, "split", False, True),
     # each other way gpu_attention runs the streaming heads beside (or before) FlashAttention's decode
-    (torch.float8_e4m3fn, "whole", False), (torch.float8_e4m3fn, "split", True),
-    (torch.float8_e4m3fn, "whole", True), (torch.float8_e4m3fn, "stored", False)])
-def test_decode_cuda_graph(kv_dtype, streaming, flash_first, monkeypatch):
+    (torch.float8_e4m3fn, "whole", False, True), (torch.float8_e4m3fn, "split", True, True),
+    (torch.float8_e4m3fn, "whole", True, True), (torch.float8_e4m3fn, "stored", False, True),
+    # or every head by the Triton decode over fp8 pages
+    (torch.float8_e4m3fn, "split", False, False)])
+def test_decode_cuda_graph(kv_dtype, streaming, flash_first, fp8_by_flash, monkeypatch):
     """A decode step captured once replays correctly on new inputs written into the same buffers, and on new
     scales (vLLM's --calculate-kv-scales sets them after capture)."""
     monkeypatch.setattr(gpu_attention, "DECODE_STREAMING", streaming)
     monkeypatch.setattr(gpu_attention, "FLASH_ISSUED_FIRST", flash_first)
+    monkeypatch.setattr(gpu_attention, "FP8_DECODE_BY_FLASH", fp8_by_flash)
     quant = cuda_scales() if kv_dtype != torch.bfloat16 else None
     case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     qsl, sl, out = case.qsl, case.sl, case.poisoned_output()
@@ -880,6 +883,7 @@ def test_decode_cuda_graph(kv_dtype, streaming, flash_first, monkeypatch):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref, ref_caches = with_flash_fp8_queries(case).reference()  # case.cache is the state before the step
+        # case.cache is the state before the step
+        ref, ref_caches = (with_flash_fp8_queries(case) if fp8_by_flash else case).reference()
         assert_close(out, ref, torch.bfloat16)
         assert_caches_equal((cache,), ref_caches[:1])
