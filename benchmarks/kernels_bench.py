@@ -735,7 +735,7 @@ def bench_mixed(fa, rows, out_json):
 # Long decode (issue 32): (batch, context, cache dtype) of whole 32-layer decode steps, each one CUDA graph replay.
 LONG_DECODE_SHAPES = ((4, 65536, torch.float8_e4m3fn), (4, 131072, torch.float8_e4m3fn), (4, 65536, DTYPE))
 LONG_DECODE_FLASH_SPLITS = (4, 8, 16, 64)  # FLASH_MAX_SPLITS tried besides the served 32
-# Triton decode tiles tried over fp8 pages, the first as decode_tiles serves every dtype. Over fp8 (sm_90 compile,
+# Triton decode tiles tried over fp8 pages (decode.FP8_DECODE_TILES), the first as served. Over fp8 (sm_90 compile,
 # this Triton) the served tiles take 180 registers and 37 KB of shared memory: 2 programs an SM with 74 KB of
 # pages in flight, where bf16's take 142 and 70 KB (3 programs, 210 KB); more stages or wider tiles at 8 warps
 # raise what is in flight without spills (128 keys at 4 warps spill)
@@ -910,11 +910,11 @@ def bench_long_decode(fa, rows, out_json):
                    retrieval_counts=counts, duo_splits=splits, duo_kv_bytes=duo_bytes, dense_kv_bytes=dense_bytes,
                    variants_ms={}, errors={})
 
-        def duo_step(flash_allowed=True):
+        def duo_step():
             for i, R in enumerate(counts):
                 d = layouts[R]
                 duo_attention_gpu(query, key, value, d.cache, d.heads, qsl, sl, d.table, SCALE, outs[i], 1, max_len,
-                                  quant=quant, retrieval_table=retrieval_tables[R], flash_allowed=flash_allowed)
+                                  quant=quant, retrieval_table=retrieval_tables[R])
 
         def duo_parts(write=True, retrieval=None, streaming=True, overlap=False, schedules=None):
             """A duo step of chosen parts: the cache write, the retrieval heads (by "fa3" as served for fp8, or
@@ -1016,15 +1016,16 @@ def bench_long_decode(fa, rows, out_json):
             # the fastest, checked against the eager step
             triton_ms = {}
             for tiles in LONG_DECODE_FP8_TILES:
-                with patch.object(decode_module, "decode_tiles", lambda *_, t=tiles: t):
+                with patch.object(decode_module, "FP8_DECODE_TILES", tiles):
                     label = f"retrieval only (Triton), {tiles.block_n} keys, {tiles.stages} stages, {tiles.warps} warps"
                     timed(label, duo_parts(write=False, retrieval="triton", streaming=False))
                     triton_ms[tiles] = res["variants_ms"][label]
             fastest = min(triton_ms, key=lambda t: (triton_ms[t] != triton_ms[t], triton_ms[t]))  # NaN (failed) last
             res["fp8_triton_fastest_tiles"] = fastest._asdict()
-            with patch.object(decode_module, "decode_tiles", lambda *_: fastest):
+            with (patch.object(decode_module, "FP8_DECODE_TILES", fastest),
+                  patch.object(gpu_attention, "FP8_DECODE_BY_FLASH", False)):
                 label = "duo, every head by Triton (fastest tiles), no FA3"
-                graph = timed(label, functools.partial(duo_step, flash_allowed=False), duo_bytes, keep=True)
+                graph = timed(label, duo_step, duo_bytes, keep=True)
                 if graph is not None:
                     outs.fill_(float("nan"))
                     graph.replay()
