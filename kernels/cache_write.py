@@ -276,17 +276,6 @@ class QueriesToQuantize(NamedTuple):
     scale: torch.Tensor
 
 
-def queries_to_launch(caller: str, queries: QueriesToQuantize | None, cache: torch.Tensor,
-                      stand_in: QueriesToQuantize) -> tuple[QueriesToQuantize, int]:
-    """A launch's query-quantization arguments and how many query heads it quantizes: `queries` (an fp8 cache's
-    only), else `stand_in`, unread (0 heads)."""
-    if queries is None:
-        return stand_in, 0
-    if not fp8_format(cache):
-        raise ValueError(f"{caller} quantizes queries over an fp8 cache only")
-    return queries, queries.out.shape[1]
-
-
 def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads: LayerHeads,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None, checked: bool = False,
@@ -318,8 +307,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, heads:
         return
     head_dim = cache.shape[-1]
     k_scale, v_scale = scale_tensors(quant, cache)
-    q, num_q_out = queries_to_launch("write_kv", queries, cache,
-                                     QueriesToQuantize(key, heads.retrieval_kv, key, k_scale))
+    # the queries to quantize (an fp8 cache's only), else stand-ins the launch does not read (no query heads)
+    q, num_q_out = QueriesToQuantize(key, heads.retrieval_kv, key, k_scale), 0
+    if queries is not None:
+        if not fp8_format(cache):
+            raise ValueError("write_kv quantizes queries over an fp8 cache only")
+        q, num_q_out = queries, queries.out.shape[1]
     grid = (num_tokens // WRITE_BLOCK_T + num_reqs, num_heads + num_q_out)
     launch(_write_kv_kernel, grid)(
         key, value, cache, stream_cache, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens,

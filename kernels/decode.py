@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_duo.kernels.cache_write import (QueriesToQuantize, check_attention, fp8_format, fp8_in_fp16, load_scales,
-                                          queries_to_launch, quantize_query_rows, scale_tensors, store_step_rows)
+from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, load_scales, scale_tensors
 from vllm_duo.kernels.launch import cdiv, launch, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E, retrieval_tiles, softmax_tile, streaming_kv
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
@@ -259,56 +258,6 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "stride", "stream_offset", "page_heads", "sink",
-                               "recent", "num_q_out", "stride_table"])
-def _store_decode_kernel(query_ptr, key_ptr, value_ptr, cache_ptr, stream_ptr, out_ptr, retrieval_kv_ptr,
-                         streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
-                         q_heads_ptr, q_out_ptr, q_scale_ptr, qk_scale, num_retrieval, num_streaming, stride,
-                         stream_offset, page_heads, sink, recent, num_q_out,
-                         stride_qt: tl.int64, stride_qh: tl.int64, stride_kt: tl.int64, stride_kh: tl.int64,
-                         stride_vt: tl.int64, stride_vh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
-                         stride_table: tl.int64, stride_cb: tl.int64, stride_ckv: tl.int64, stride_cr: tl.int64,
-                         stride_ch: tl.int64, stride_sb: tl.int64, stride_skv: tl.int64, stride_sr: tl.int64,
-                         stride_sh: tl.int64,
-                         G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
-                         QUERIES: tl.constexpr):
-    """Grid (num_reqs, R + S + num_q_out) over a decode batch; requests whose query length is not 1 exit at once.
-
-    Program (req, j < R + S) stores the request's new K/V of head j (retrieval heads first, as `write_kv`); a
-    streaming head's program then attends it over its sinks and window (`streaming_head_decode`), its own store the
-    window's newest key, read back after a barrier. With QUERIES, program (req, R + S + h) quantizes retrieval query
-    head h for FlashAttention (`quantize_query_rows`).
-    """
-    req = tl.program_id(0)
-    j = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
-        return
-    rows = tl.arange(0, 2)  # the token, and a masked row: blocks of one element are not every op's
-    tok = q_start + rows
-    if QUERIES:
-        if j >= num_retrieval + num_streaming:
-            quantize_query_rows(query_ptr, q_heads_ptr, q_out_ptr, q_scale_ptr, tok, rows < 1,
-                                j - num_retrieval - num_streaming, num_q_out, stride_qt, stride_qh, HEAD_DIM,
-                                BLOCK_D, FP8)
-            return
-    seq_len = tl.load(seq_lens_ptr + req)
-    table_row = block_table_ptr + req * stride_table
-    store_step_rows(key_ptr, value_ptr, cache_ptr, stream_ptr, retrieval_kv_ptr, streaming_kv_ptr, k_scale_ptr,
-                    v_scale_ptr, table_row, tok, seq_len - 1 + rows, rows < 1, j, num_retrieval, num_streaming, stride,
-                    stream_offset, page_heads, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv,
-                    stride_cr, stride_ch, stride_sb, stride_skv, stride_sr, stride_sh, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                    FP8)
-    if j >= num_retrieval:
-        tl.debug_barrier()  # the store above, by other threads of this program, before the window's loads
-        streaming_head_decode(query_ptr, out_ptr, stream_ptr, table_row, q_start, seq_len, j - num_retrieval,
-                              tl.load(streaming_kv_ptr + j - num_retrieval), num_streaming, stream_offset, page_heads,
-                              stride, sink, recent, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh,
-                              stride_ot, stride_oh, stride_sb, stride_skv, stride_sr, stride_sh, G, BLOCK_G, BLOCK_N,
-                              HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP8, FP16)
-
-
 @functools.cache
 def _sm_count(device_index: int | None) -> int:
     """The GPU's SM count (a property lookup costs host time on every layer call otherwise)."""
@@ -337,8 +286,11 @@ def decode_tiles(head_dim: int, device: torch.device, fp8: bool = False) -> Deco
 
 
 # Over fp8 pages the 16-bit tiles (64 keys, 3 stages, 4 warps) compile (sm_90) to 180 registers and 37 KB of shared
-# memory: 2 programs an SM with 74 KB of pages in flight, where bf16's hold 210 KB (3 programs)
-FP8_DECODE_TILES = DecodeTiles(64, MIN_SPLIT_TOKENS, 3, 4)
+# memory: 2 programs an SM with 74 KB of pages in flight, where bf16's hold 210 KB (3 programs). 5 stages read the
+# retrieval heads of a 4 x 64k step in 4.48 ms against 5.04 (4 x 128k: 7.65 against 9.24; 8 stages and wider tiles
+# slower: benchmarks/results/2026-12-07-h100-decode-variants), still behind FlashAttention-3's 3.79 (7.08), which
+# decodes them on Hopper (gpu_attention.py)
+FP8_DECODE_TILES = DecodeTiles(64, MIN_SPLIT_TOKENS, 5, 4)
 
 
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
@@ -384,7 +336,9 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         return
     head_dim, G = cache.shape[-1], heads.group_size
     block_d = next_power_of_2(head_dim)
-    tiles = decode_tiles(head_dim, cache.device, bool(fp8_format(cache)))
+    # a streaming head's program reads one window chunk: deeper fp8 pipelines would only hold shared memory (beside
+    # FlashAttention)
+    tiles = decode_tiles(head_dim, cache.device, bool(fp8_format(cache)) and not streaming_only)
     block_n, min_split = tiles.block_n, min_split or tiles.min_split
     # streaming heads: the sinks, then the window in chunks of whole tiles, at most STREAM_WINDOW_SPLIT keys on GPU
     # (min_split on the CPU interpreter)
@@ -415,33 +369,3 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
             heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
             G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,
             MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, BLOCK_S=next_power_of_2(num_parts), num_warps=8)
-
-
-def store_and_decode_streaming(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                               heads: LayerHeads, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                               block_table: torch.Tensor, scale: float, output: torch.Tensor,
-                               stream_cache: torch.Tensor | None = None, quant: KVQuant | None = None,
-                               queries: QueriesToQuantize | None = None) -> None:
-    """A decode batch's K/V store (`write_kv`) and its streaming heads' attention (`decode_attention`, one program a
-    head) in one launch, with `queries` FlashAttention's fp8 retrieval queries too (`write_kv`'s `queries`): all that
-    a decode step does besides FlashAttention's retrieval pass, before it and with nothing beside it. Requests whose
-    query length is not 1 are left untouched; inputs checked by the caller (`attention.write_step`)."""
-    stream_cache = cache if stream_cache is None else stream_cache
-    num_reqs, R, S = seq_lens.shape[0], heads.num_retrieval, heads.num_streaming
-    if queries is not None and queries.query is not query:  # the kernel reads one query tensor for both
-        raise ValueError("store_and_decode_streaming quantizes the step's own queries")
-    k_scale, v_scale = scale_tensors(quant, cache)
-    q, num_q_out = queries_to_launch("store_and_decode_streaming", queries, cache,
-                                     QueriesToQuantize(query, heads.retrieval_q, query, k_scale))
-    if query.shape[0] == 0 or num_reqs == 0 or R + S + num_q_out == 0:
-        return
-    head_dim = cache.shape[-1]
-    launch(_store_decode_kernel, (num_reqs, R + S + num_q_out))(
-        query, key, value, cache, stream_cache, output, heads.retrieval_kv, heads.streaming_kv, query_start_loc,
-        seq_lens, block_table, k_scale, v_scale, q.heads, q.out, q.scale, scale * LOG2E, R, S, heads.stride,
-        heads.stream_offset, stream_cache.shape[3], heads.sink, heads.recent, num_q_out,
-        *query.stride()[:2], *key.stride()[:2], *value.stride()[:2], *output.stride()[:2], block_table.stride(0),
-        *cache.stride()[:4], *stream_cache.stride()[:4],
-        G=heads.group_size, BLOCK_G=max(16, next_power_of_2(heads.group_size)), BLOCK_N=decode_tiles(head_dim,
-        cache.device).block_n, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=cache.shape[2],
-        FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query), QUERIES=queries is not None, num_warps=4)

@@ -24,7 +24,7 @@ NO_COMPILER = 77  # exit code: this Triton has no CUDA backend to compile with (
 
 from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.clustering import NEAREST_TILE, _nearest_centre_kernel
-from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, _store_decode_kernel, decode_tiles
+from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_kernel, prefill_tiles
 from vllm_duo.kernels.reference import FP8_FORMATS
 from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS, SCORE_BANDS,
@@ -122,7 +122,7 @@ def cases():
                 yield (f"prefill streaming heads storing the step {tag}", _prefill_kernel, model, cache,
                        dict(constants, STREAMING_ONLY=True, FRESH_KV=True), config)
 
-        tiles = decode_tiles(head_dim, CUDA)
+        tiles = decode_tiles(head_dim, CUDA, bool(fp8))
         block_n, min_split = tiles.block_n, tiles.min_split
         splits = ((1, 1), (64, 2)) if "decode without splits" in variants else ((64, 2),)
         for max_splits, stream_splits in splits:
@@ -137,10 +137,6 @@ def cases():
                                  MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split, WINDOW_SPLIT=min_split,
                                  BLOCK_S=triton.next_power_of_2(parts))
                 yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, dict(num_warps=8)
-        if "write" in variants:  # a decode step's store with its streaming heads (and over fp8 FA3's queries)
-            constants = dict(shape, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, FP16=fp16,
-                             QUERIES=bool(fp8))
-            yield f"store and decode streaming {tag}", _store_decode_kernel, model, cache, constants, dict(num_warps=4)
 
         if "sparse" in variants:
             block_g = max(16, triton.next_power_of_2(G))

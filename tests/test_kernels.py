@@ -678,69 +678,17 @@ def test_the_write_quantizes_the_queries_in_its_launch(name):
     assert_caches_equal((cache, stream), written_caches(case, SCALES))
 
 
-# decode batches (and a CUDA graph's padding rows), with streaming K/V pooled in another layer's cache too
-DECODE_PRESETS = {**{name: PRESETS[name] for name in ("decode_gqa3", "decode_mha", "graph_padding")},
-                  "decode_pooled": Preset(8, 4, (0,), ((50, 1), (20, 1), (3, 1)), stream_host=(3, 37)),
-                  "decode_pooled_layer": Preset(6, 3, (), ((45, 1), (9, 1), (0, 1)), stream_host=(2, 5))}
-
-
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
-@pytest.mark.parametrize("name", DECODE_PRESETS)
-def test_the_store_launch_attends_the_streaming_heads(name, kv_dtype):
-    """A decode step's streaming heads attended in the launch that stores its K/V (gpu_attention's DECODE_STREAMING
-    "stored"): the caches byte for byte as the reference stores them, the streaming heads as the reference attends
-    them (their newest key read back from the store), the retrieval heads left to FlashAttention; over fp8,
-    FlashAttention's queries from the same launch, byte-equal to torch's rounding."""
-    from vllm_duo.kernels.decode import store_and_decode_streaming
-    from vllm_duo.kernels.queries import retrieval_queries
-
-    quant, q_scale = (SCALES if kv_dtype else None), torch.tensor(0.37)
-    case = make_case(DECODE_PRESETS[name], kv_dtype=kv_dtype, quant=quant)
-    heads = case.heads
-    ref, ref_caches = case.reference()
-    cache, stream = case.fresh_caches()
-    if heads.num_retrieval == 0 and stream is not None:  # a stub cache: the stream cache is all it writes
-        (cache, stream), ref_caches = (stream, None), (ref_caches[1], None)
-    out = case.poisoned_output()
-    launched = []
-    write = functools.partial(store_and_decode_streaming, case.query, case.key, case.value, cache, heads, case.qsl,
-                              case.sl, case.block_table, case.scale, out, stream, quant)
-    queries = retrieval_queries(case.query, heads, kv_dtype, q_scale,  # as gpu_attention.flash_queries calls it
-                                write=lambda **kw: launched.append(kw) or write(**kw))
-    assert len(launched) == 1
-    assert_caches_equal((cache, stream), ref_caches)
-    assert_close(out[:, heads.streaming_q], ref[:, heads.streaming_q], torch.float32)
-    assert out[:, heads.retrieval_q].isnan().all()
-    if kv_dtype is not None and heads.num_retrieval:
-        assert set(launched[0]) == {"queries"}  # the same launch made them
-        expected = quantize(case.query[:, heads.retrieval_q], q_scale, kv_dtype)
-        assert torch.equal(queries.view(torch.uint8), expected.view(torch.uint8))
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_launches_that_quantize_queries_refuse_a_16_bit_cache(fused):
-    """Queries are quantized to an fp8 cache's dtype only: a 16-bit cache with queries to quantize is refused by both
-    launches that can quantize them (and the fused one refuses another tensor's queries: it reads one for both)."""
+def test_write_kv_refuses_queries_to_quantize_over_a_16_bit_cache():
+    """Queries are quantized to an fp8 cache's dtype only: a 16-bit cache with queries to quantize is refused."""
     from vllm_duo.kernels.cache_write import QueriesToQuantize
-    from vllm_duo.kernels.decode import store_and_decode_streaming
 
     case = make_case(PRESETS["decode_gqa3"])
     out = torch.empty(case.query.shape[0], case.heads.retrieval_q.numel(), case.query.shape[-1],
                       dtype=torch.float8_e4m3fn)
     queries = QueriesToQuantize(case.query, case.heads.retrieval_q, out, torch.tensor(1.0))
     cache, stream = case.fresh_caches()
-    if fused:
-        def launch(q):
-            store_and_decode_streaming(case.query, case.key, case.value, cache, case.heads, case.qsl, case.sl,
-                                       case.block_table, case.scale, case.poisoned_output(), stream, queries=q)
-    else:
-        def launch(q):
-            write_kv(case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table, stream, queries=q)
     with pytest.raises(ValueError, match="quantizes queries over an fp8 cache only"):
-        launch(queries)
-    if fused:
-        with pytest.raises(ValueError, match="the step's own queries"):
-            launch(queries._replace(query=case.query.clone()))
+        write_kv(case.key, case.value, cache, case.heads, case.qsl, case.sl, case.block_table, stream, queries=queries)
 
 
 def test_rejects_int64_metadata():
@@ -846,19 +794,21 @@ def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype, streaming, flash_first, fp8_by_flash", [
-    (torch.bfloat16, "split", False, True), (torch.float8_e4m3fn, "split", False, True),
-    # each other way gpu_attention runs the streaming heads beside (or before) FlashAttention's decode
-    (torch.float8_e4m3fn, "whole", False, True), (torch.float8_e4m3fn, "split", True, True),
-    (torch.float8_e4m3fn, "whole", True, True), (torch.float8_e4m3fn, "stored", False, True),
-    # or every head by the Triton decode over fp8 pages
-    (torch.float8_e4m3fn, "split", False, False)])
-def test_decode_cuda_graph(kv_dtype, streaming, flash_first, fp8_by_flash, monkeypatch):
+@pytest.mark.parametrize("kv_dtype, streaming, flash_first, sm_margin", [
+    (torch.bfloat16, "split", False, 0), (torch.float8_e4m3fn, "split", False, 0),
+    # each other way gpu_attention runs the streaming heads beside FlashAttention's decode
+    (torch.float8_e4m3fn, "whole", False, 0), (torch.float8_e4m3fn, "split", True, 0),
+    (torch.float8_e4m3fn, "split", False, 8), (torch.float8_e4m3fn, "whole", True, 8),
+    # or every head by the Triton decode over fp8 pages (no FlashAttention)
+    (torch.float8_e4m3fn, "split", False, None)])
+def test_decode_cuda_graph(kv_dtype, streaming, flash_first, sm_margin, monkeypatch):
     """A decode step captured once replays correctly on new inputs written into the same buffers, and on new
     scales (vLLM's --calculate-kv-scales sets them after capture)."""
     monkeypatch.setattr(gpu_attention, "DECODE_STREAMING", streaming)
     monkeypatch.setattr(gpu_attention, "FLASH_ISSUED_FIRST", flash_first)
-    monkeypatch.setattr(gpu_attention, "FP8_DECODE_BY_FLASH", fp8_by_flash)
+    monkeypatch.setattr(gpu_attention, "FLASH_SM_MARGIN", sm_margin or 0)
+    if sm_margin is None:
+        monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.bfloat16, torch.bfloat16)})
     quant = cuda_scales() if kv_dtype != torch.bfloat16 else None
     case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     qsl, sl, out = case.qsl, case.sl, case.poisoned_output()
@@ -884,6 +834,6 @@ def test_decode_cuda_graph(kv_dtype, streaming, flash_first, fp8_by_flash, monke
         graph.replay()
         torch.cuda.synchronize()
         # case.cache is the state before the step
-        ref, ref_caches = (with_flash_fp8_queries(case) if fp8_by_flash else case).reference()
+        ref, ref_caches = (case if sm_margin is None else with_flash_fp8_queries(case)).reference()
         assert_close(out, ref, torch.bfloat16)
         assert_caches_equal((cache,), ref_caches[:1])

@@ -22,7 +22,7 @@ import torch
 from vllm_duo import vllm_seam
 from vllm_duo.kernels.attention import triton_attention, write_step
 from vllm_duo.kernels.cache_write import as_scale, scale_tensors, write_kv
-from vllm_duo.kernels.decode import _sm_count, store_and_decode_streaming
+from vllm_duo.kernels.decode import _sm_count
 from vllm_duo.kernels.queries import retrieval_queries
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
 from vllm_duo.kernels.row_pages import merge_rows, row_views
@@ -71,7 +71,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                               stream_cache, quant, checked=True)
     flash = (vllm_seam.flash_attn_varlen(cache.device)
              if flash_allowed and (query.dtype, cache.dtype) in FLASH_DTYPES else None)
-    by_flash = flash is not None and (max_query_len > 1 or (cache.dtype == torch.float8_e4m3fn and FP8_DECODE_BY_FLASH)
+    by_flash = flash is not None and (max_query_len > 1 or cache.dtype == torch.float8_e4m3fn
                                       or retrieval_seq_lens is not None)
     two_streams = max_query_len == 1 and cache.is_cuda  # a decode step's passes side by side; elsewhere in turn
     squeezed_step = squeezed is not None and two_streams and by_flash and heads.num_retrieval
@@ -79,12 +79,10 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     store = (store_in_streaming and by_flash and max_query_len > 1 and squeezed is None
              and key.dtype == cache.dtype == stream_cache.dtype)
     flash_reads_retrieval = by_flash and heads.num_retrieval
-    # a decode step's streaming heads beside FlashAttention, or in the launch that stores the step (DECODE_STREAMING)
+    # a decode step's streaming heads beside FlashAttention (DECODE_STREAMING, FLASH_ISSUED_FIRST, FLASH_SM_MARGIN)
     beside_flash = two_streams and flash_reads_retrieval and heads.num_streaming and squeezed is None
-    stored_with_streaming = beside_flash and DECODE_STREAMING == "stored"
-    if stored_with_streaming:
-        write = functools.partial(store_and_decode_streaming, query, key, value, cache, heads, query_start_loc,
-                                  seq_lens, block_table, scale, output, stream_cache, quant)
+    if beside_flash and FLASH_SM_MARGIN:
+        flash = vllm_seam.flash_attn_varlen(cache.device, FLASH_SM_MARGIN)
     # the step's K/V stored first, over fp8 in the launch that quantizes FlashAttention's queries (flash_queries);
     # else beside the lookup (squeezed_decode) or by the streaming heads' launch
     queries = None
@@ -114,8 +112,6 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if squeezed_step:
         squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant, write), flash_part, rows_part,
                         streaming if heads.num_streaming else None, squeezed, query.device)
-    elif stored_with_streaming:
-        flash_part()
     elif beside_flash:
         beside(streaming, flash_part, query.device, main_first=FLASH_ISSUED_FIRST)
     elif store:  # FlashAttention reads the retrieval pages once the streaming heads' launch stored them
@@ -199,17 +195,14 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
-# How a decode step's streaming heads run where FlashAttention takes the retrieval heads: "split" (their sinks and
-# window chunks over programs, merged by a second launch, beside FlashAttention on a second stream), "whole" (one
-# program a head, beside it) or "stored" (one program a head in the launch that stores the step's K/V, before
-# FlashAttention, nothing beside it). At 4 x 64k fp8 the split launches stretch FlashAttention by about their own
-# time, waiting for the SMs its CTAs hold (benchmarks/results/2026-12-07-h100-issue32); kernels_bench.py
-# --long-decode times each choice. FLASH_ISSUED_FIRST: beside it, FlashAttention is enqueued first.
+# How a decode step's streaming heads run beside FlashAttention's retrieval pass (on a second stream): "split" (their
+# sinks and window chunks over programs, merged by a second launch) or "whole" (one program a head). At 4 x 64k fp8
+# their launches stretch FlashAttention by about their own time, waiting for the SMs its CTAs hold
+# (benchmarks/results/2026-12-07-h100-issue32); FLASH_SM_MARGIN SMs left to them by FlashAttention (0: none, vLLM's
+# own call), FLASH_ISSUED_FIRST enqueues FlashAttention first. kernels_bench.py --long-decode times each choice.
 DECODE_STREAMING = "split"
 FLASH_ISSUED_FIRST = False
-# Decode over fp8 pages: the retrieval heads by FlashAttention (True), or every head by the Triton decode with its
-# fp8 tiles (kernels/decode.py FP8_DECODE_TILES), as bf16 decode is served; kernels_bench.py --long-decode times both.
-FP8_DECODE_BY_FLASH = True
+FLASH_SM_MARGIN = 0
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32
