@@ -741,14 +741,6 @@ LONG_DECODE_FLASH_SPLITS = (4, 8, 16, 64)  # FLASH_MAX_SPLITS tried besides the 
 # raise what is in flight without spills (128 keys at 4 warps spill)
 LONG_DECODE_FP8_TILES = tuple(DecodeTiles(block_n, MIN_SPLIT_TOKENS, stages, warps) for block_n, stages, warps in
                               ((64, 3, 4), (64, 5, 4), (64, 8, 4), (128, 4, 8), (128, 6, 8), (256, 2, 8)))
-# the streaming heads beside FA3 (gpu_attention's DECODE_STREAMING, FLASH_ISSUED_FIRST, FLASH_SM_MARGIN), besides
-# the served way: (label, streaming, FA3 enqueued first, SMs FA3 leaves free)
-LONG_DECODE_BESIDE = (
-    ("duo, streaming heads one program each beside FA3", "whole", False, 0),
-    ("duo, FA3 enqueued before the streaming heads", "split", True, 0),
-    *((f"duo, FA3 leaving {m} SMs{extra}", streaming, first, m) for m in (4, 8, 16, 24)
-      for extra, streaming, first in (("", "split", False), (", enqueued first", "split", True),
-                                      (", one program each, enqueued first", "whole", True))))
 LONG_DECODE_REPLAYS = 20
 DENSE_GRAPH_SPLITS = 32  # vLLM's FLASH_ATTN max_num_splits under full CUDA graphs
 
@@ -1004,17 +996,6 @@ def bench_long_decode(fa, rows, out_json):
             for cap in LONG_DECODE_FLASH_SPLITS:
                 with patch.object(gpu_attention, "FLASH_MAX_SPLITS", cap):
                     timed(f"duo, FA3 splits {cap}", duo_step, duo_bytes)
-            # how the streaming heads share the GPU with FA3 (gpu_attention's settings), checked against eager
-            for label, streaming, flash_first, margin in LONG_DECODE_BESIDE:
-                with (patch.object(gpu_attention, "DECODE_STREAMING", streaming),
-                      patch.object(gpu_attention, "FLASH_ISSUED_FIRST", flash_first),
-                      patch.object(gpu_attention, "FLASH_SM_MARGIN", margin)):
-                    graph = timed(label, duo_step, duo_bytes, keep=True)
-                if graph is not None:
-                    outs.fill_(float("nan"))
-                    graph.replay()
-                    res[f"{label} vs eager rel_err"] = rel_err(outs, eager)
-                del graph
             timed("retrieval only (FA3)", duo_parts(write=False, retrieval="fa3", streaming=False))
             # could Triton's decode read the fp8 pages faster than FA3 with other tiles (it reads bf16 ones at ~83%
             # of nominal)? The retrieval heads alone per tile, then every head by Triton (as bf16 is served) with

@@ -794,20 +794,14 @@ def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype, streaming, flash_first, sm_margin", [
-    (torch.bfloat16, "split", False, 0), (torch.float8_e4m3fn, "split", False, 0),
-    # each other way gpu_attention runs the streaming heads beside FlashAttention's decode
-    (torch.float8_e4m3fn, "whole", False, 0), (torch.float8_e4m3fn, "split", True, 0),
-    (torch.float8_e4m3fn, "split", False, 8), (torch.float8_e4m3fn, "whole", True, 8),
-    # or every head by the Triton decode over fp8 pages (no FlashAttention)
-    (torch.float8_e4m3fn, "split", False, None)])
-def test_decode_cuda_graph(kv_dtype, streaming, flash_first, sm_margin, monkeypatch):
+@pytest.mark.parametrize("kv_dtype, by_triton", [
+    (torch.bfloat16, False), (torch.float8_e4m3fn, False),
+    # every head by the Triton decode over fp8 pages (no FlashAttention: its fp8 tiles)
+    (torch.float8_e4m3fn, True)])
+def test_decode_cuda_graph(kv_dtype, by_triton, monkeypatch):
     """A decode step captured once replays correctly on new inputs written into the same buffers, and on new
     scales (vLLM's --calculate-kv-scales sets them after capture)."""
-    monkeypatch.setattr(gpu_attention, "DECODE_STREAMING", streaming)
-    monkeypatch.setattr(gpu_attention, "FLASH_ISSUED_FIRST", flash_first)
-    monkeypatch.setattr(gpu_attention, "FLASH_SM_MARGIN", sm_margin or 0)
-    if sm_margin is None:
+    if by_triton:
         monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.bfloat16, torch.bfloat16)})
     quant = cuda_scales() if kv_dtype != torch.bfloat16 else None
     case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
@@ -834,6 +828,6 @@ def test_decode_cuda_graph(kv_dtype, streaming, flash_first, sm_margin, monkeypa
         graph.replay()
         torch.cuda.synchronize()
         # case.cache is the state before the step
-        ref, ref_caches = (case if sm_margin is None else with_flash_fp8_queries(case)).reference()
+        ref, ref_caches = (case if by_triton else with_flash_fp8_queries(case)).reference()
         assert_close(out, ref, torch.bfloat16)
         assert_caches_equal((cache,), ref_caches[:1])

