@@ -735,10 +735,11 @@ def bench_mixed(fa, rows, out_json):
 # Long decode (issue 32): (batch, context, cache dtype) of whole 32-layer decode steps, each one CUDA graph replay.
 LONG_DECODE_SHAPES = ((4, 65536, torch.float8_e4m3fn), (4, 131072, torch.float8_e4m3fn), (4, 65536, DTYPE))
 LONG_DECODE_FLASH_SPLITS = (4, 8, 16, 64)  # FLASH_MAX_SPLITS tried besides the served 32
-# Triton decode tiles tried over fp8 pages (decode.FP8_DECODE_TILES), the first as served. Over fp8 (sm_90 compile,
-# this Triton) the served tiles take 180 registers and 37 KB of shared memory: 2 programs an SM with 74 KB of
-# pages in flight, where bf16's take 142 and 70 KB (3 programs, 210 KB); more stages or wider tiles at 8 warps
-# raise what is in flight without spills (128 keys at 4 warps spill)
+# Triton decode tiles tried over fp8 pages (decode.FP8_DECODE_TILES): the 16-bit tiles first, then the served 5
+# stages, then others. Over fp8 (sm_90 compile, this Triton) the 16-bit tiles take 180 registers and 37 KB of shared
+# memory: 2 programs an SM with 74 KB of pages in flight, where bf16's take 142 and 70 KB (3 programs, 210 KB); more
+# stages or wider tiles at 8 warps raise what is in flight without spills (the served ones: 194 registers, 70.6 KB;
+# 128 keys at 4 warps spill)
 LONG_DECODE_FP8_TILES = tuple(DecodeTiles(block_n, MIN_SPLIT_TOKENS, stages, warps) for block_n, stages, warps in
                               ((64, 3, 4), (64, 5, 4), (64, 8, 4), (128, 4, 8), (128, 6, 8), (256, 2, 8)))
 LONG_DECODE_REPLAYS = 20
