@@ -12,8 +12,9 @@ a streaming head's sinks or one chunk of its window (at most STREAM_WINDOW_SPLIT
     retrieval head:  split 0 [0, 256)  split 1 [256, 512)  split 2 [512, 768)  split 3 [768, 1000)
     streaming head:  split 0 the sinks [0, 64)  splits 1-4 the window [744, 808) [808, 872) [872, 936) [936, 1000)
 
-A second kernel merges each head's split results by their log-sum-exp. No host syncs and fixed grid
-shapes: CUDA-graph capturable.
+A head split more than once is merged in the same launch: each split stores its result and log-sum-exp,
+and the last of the head's programs to finish (a counter per head, which that program sets back to zero) combines
+them. No host syncs, fixed grid shapes and counters that end every launch at zero: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def start_decode(query_ptr, token, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, 
 def store_part(part_out_ptr, part_lse_ptr, row, split, out, m_i, l_i, G: tl.constexpr, BLOCK_G: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PARTS: tl.constexpr):
     """Store split `split`'s result `out` `[BLOCK_G, BLOCK_D]` (normalized) and its log2-sum-exp for query-head rows
-    [row, row + G) of part_out `[rows, NUM_PARTS, HEAD_DIM]` / part_lse `[rows, NUM_PARTS]`, for `merge_parts`."""
+    [row, row + G) of part_out `[rows, NUM_PARTS, HEAD_DIM]` / part_lse `[rows, NUM_PARTS]`, for `merge_last` or
+    `merge_parts`."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     part = (row + offs_g) * NUM_PARTS + split
@@ -150,7 +152,7 @@ def merge_parts(part_out_ptr, part_lse_ptr, part, s_ok, HEAD_DIM: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "stride", "stream_offset", "page_heads", "sink",
                                "recent", "first_program", "stride_table"])
-def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr,
+def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, retrieval_kv_ptr,
                    streaming_kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
                    qk_scale, num_retrieval, num_streaming, stride, stream_offset, page_heads, sink, recent, first_program,
                    stride_qt: tl.int64, stride_qh: tl.int64, stride_ot: tl.int64, stride_oh: tl.int64,
@@ -165,7 +167,8 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
     at once.
 
     Programs before `first_program` are not launched: R * MAX_SPLITS of them leaves the streaming heads only.
-    A head split more than once writes its splits' results to part_out/part_lse for the merge.
+    A head split more than once writes its splits' results to part_out/part_lse, and counts its programs in
+    `counter[req * (R + S) + head]` (int32, zero before the launch and after it); the last one merges (`merge_last`).
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output
     (split results too: the merge is linear) the v scale.
     """
@@ -195,67 +198,75 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
     if head < num_retrieval:
         lo = split * split_len
         hi = tl.minimum(seq_len, lo + split_len)
+        # the head's non-empty splits [first_part, last_part)
+        first_part = 0
+        last_part = tl.cdiv(seq_len, split_len)
     else:
         lo, hi = _stream_split(split, seq_len, sink, recent, WINDOW_SPLIT)
-    if lo >= hi:  # a split past the context, or an empty sink or window split
-        return
+        window = tl.maximum(sink, seq_len - recent)
+        first_part = tl.where(tl.minimum(sink, seq_len) > 0, 0, 1)
+        last_part = 1 + tl.cdiv(tl.maximum(seq_len - window, 0), WINDOW_SPLIT)
+    # part_out [num_reqs, (R + S) * G, NUM_PARTS, HEAD_DIM], part_lse [num_reqs, (R + S) * G, NUM_PARTS]
+    row = (req * (num_retrieval + num_streaming) + head) * G
+    if lo < hi:  # else a split past the context, or an empty sink or window split: it only counts
+        q, q_head, mask, qk_scale, v_scale, m_i, l_i, acc = start_decode(
+            query_ptr, q_start, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh, G, BLOCK_G,
+            HEAD_DIM, BLOCK_D, FP8, FP16)
+        if head < num_retrieval:
+            q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
+            m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, seq_len - 1, cache_ptr, table_row,
+                                            stride, head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
+                                            HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+        else:
+            m_i, l_i, acc = _streaming_range(q, m_i, l_i, acc, lo, hi, stream_ptr, table_row, head - num_retrieval,
+                                             num_streaming, stream_offset, page_heads, stride, qk_scale,
+                                             stride_sb, stride_skv, stride_sr, stride_sh,
+                                             HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
+        out = acc / l_i[:, None] * v_scale
+        if tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS) == 1:
+            offs_d = tl.arange(0, BLOCK_D)
+            tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=mask)
+            return
+        store_part(part_out_ptr, part_lse_ptr, row, split, out, m_i, l_i, G, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_PARTS)
+    merge_last(counter_ptr + req * (num_retrieval + num_streaming) + head,
+               tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS), part_out_ptr, part_lse_ptr, row, first_part,
+               last_part, out_ptr, q_start, kv_head, stride_ot, stride_oh, G, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_PARTS)
 
-    q, q_head, mask, qk_scale, v_scale, m_i, l_i, acc = start_decode(
-        query_ptr, q_start, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh, G, BLOCK_G, HEAD_DIM,
-        BLOCK_D, FP8, FP16)
-    if head < num_retrieval:
-        q_pos = tl.full([BLOCK_G], seq_len - 1, tl.int32)
-        m_i, l_i, acc = retrieval_tiles(q, m_i, l_i, acc, q_pos, lo, hi, seq_len - 1, cache_ptr, table_row, stride,
-                                        head, qk_scale, stride_cb, stride_ckv, stride_cr, stride_ch,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
-    else:
-        m_i, l_i, acc = _streaming_range(q, m_i, l_i, acc, lo, hi, stream_ptr, table_row, head - num_retrieval,
-                                         num_streaming, stream_offset, page_heads, stride, qk_scale,
-                                         stride_sb, stride_skv, stride_sr, stride_sh,
-                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
-    out = acc / l_i[:, None] * v_scale
-    if tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS) > 1:
-        # part_out [num_reqs, (R + S) * G, NUM_PARTS, HEAD_DIM], part_lse [num_reqs, (R + S) * G, NUM_PARTS]
-        store_part(part_out_ptr, part_lse_ptr, (req * (num_retrieval + num_streaming) + head) * G, split, out, m_i,
-                   l_i, G, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_PARTS)
-        return
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
 
+@triton.jit
+def merge_last(counter_ptr, num_programs, part_out_ptr, part_lse_ptr, row, first_part, last_part, out_ptr, token,
+               kv_head, stride_ot, stride_oh, G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, NUM_PARTS: tl.constexpr):
+    """Count this program at `counter_ptr`, one of the `num_programs` of a split head; the last to count combines
+    the head's split results [first_part, last_part) (`store_part`'s rows [row, row + G)) by their log2-sum-exp into
+    its G query heads' output at `token`, and sets the counter back to zero for the next launch.
 
-@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "sink", "recent", "first_head"])
-def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr,
-                  seq_lens_ptr, num_retrieval, num_streaming, sink, recent, first_head,
-                  stride_ot: tl.int64, stride_oh: tl.int64,
-                  G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                  WINDOW_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
-    combine one query head's split results by their log-sum-exp."""
-    req = tl.program_id(0)
-    h = tl.program_id(1) + first_head * G
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
-        return
-    seq_len = tl.load(seq_lens_ptr + req)
-    split_len = keys_per_split(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    head = h // G
-    if head < num_retrieval:
-        s_ok = offs_s * split_len < seq_len
-        kv_head = tl.load(retrieval_kv_ptr + head)
-    else:
-        lo, hi = _stream_split(offs_s, seq_len, sink, recent, WINDOW_SPLIT)
-        s_ok = lo < hi
-        kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
-    s_ok = s_ok & (offs_s < NUM_PARTS)
-    part = (req * (num_retrieval + num_streaming) * G + h) * NUM_PARTS + offs_s
-    out = merge_parts(part_out_ptr, part_lse_ptr, part, s_ok, HEAD_DIM, BLOCK_D)
-    q_head = kv_head * G + h % G
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    The barrier orders every thread's `store_part` before the count (an acquire-release atomic at GPU scope), and
+    the last program reads the parts past its SM's L1 (`.cg`): it may hold lines of an earlier launch's parts."""
+    tl.debug_barrier()
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < G
+        parts = (row + offs_g).to(tl.int64) * NUM_PARTS
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for part in range(first_part, last_part):
+            lse = tl.load(part_lse_ptr + parts + part, mask=g_ok, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_i, lse)
+            alpha = tl.exp2(m_i - m_new)
+            weight = tl.exp2(lse - m_new)
+            value = tl.load(part_out_ptr + (parts + part)[:, None] * HEAD_DIM + offs_d[None, :],
+                            mask=g_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
+            acc = acc * alpha[:, None] + value * weight[:, None]
+            l_i = l_i * alpha + weight
+            m_i = m_new
+        q_head = kv_head * G + offs_g
+        tl.store(out_ptr + token.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @functools.cache
@@ -347,14 +358,13 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
     window_split = cdiv(cdiv(heads.recent, max(stream_splits - 1, 1)), block_n) * block_n
     num_parts = max(max_num_splits, stream_splits)
     first_program = R * max_num_splits if streaming_only else 0
-    # KV heads whose splits the merge combines (part_out's rows run retrieval, then streaming heads)
-    merged = range(0 if max_num_splits > 1 and not streaming_only else R, R + S if stream_splits > 1 else R)
     part_out = part_lse = output  # unused placeholders when nothing is split
-    if merged:
+    if (max_num_splits > 1 and not streaming_only) or stream_splits > 1:
         part_out = torch.empty(num_reqs, (R + S) * G, num_parts, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, (R + S) * G, num_parts, dtype=torch.float32, device=cache.device)
+    counters = merge_counters(num_reqs * (R + S), cache.device)  # unread when nothing is split
     launch(_decode_kernel, (num_reqs, R * max_num_splits + S * stream_splits - first_program))(
-        query, cache, stream_cache, output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv,
+        query, cache, stream_cache, output, part_out, part_lse, counters, heads.retrieval_kv, heads.streaming_kv,
         query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
         R, S, heads.stride, heads.stream_offset, stream_cache.shape[3], heads.sink, heads.recent, first_program,
         *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
@@ -363,9 +373,18 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
         MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
         num_warps=tiles.warps, num_stages=tiles.stages)
-    if merged:
-        launch(_merge_kernel, (num_reqs, len(merged) * G))(
-            output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
-            heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
-            G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,
-            MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, BLOCK_S=next_power_of_2(num_parts), num_warps=8)
+
+
+def merge_counters(rows: int, device: torch.device) -> torch.Tensor:
+    """`_decode_kernel`'s merge counters for `rows` split heads: zeros, which each launch leaves at zero, so one
+    buffer per device serves every launch (launches on one device run one after another: a layer's streaming heads
+    beside FlashAttention are the only decode launch of their layer). A larger one is made when needed; the smaller
+    ones stay alive, since CUDA graphs keep the addresses they captured."""
+    buffers = _MERGE_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < rows:
+        buffers.append(torch.zeros(max(rows, MIN_MERGE_COUNTERS), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+MIN_MERGE_COUNTERS = 1 << 16  # 256 KB: every split head of 1024 requests of 64 KV heads
+_MERGE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="the duo kernels need Triton (its 
 
 from vllm_duo import gpu_attention  # noqa: E402
 from vllm_duo.gpu_attention import duo_attention_gpu  # noqa: E402
-from vllm_duo.kernels import attention  # noqa: E402
+from vllm_duo.kernels import attention, decode  # noqa: E402
 from vllm_duo.kernels.attention import duo_attention_triton  # noqa: E402
 from vllm_duo.kernels.cache_write import write_kv  # noqa: E402
 from vllm_duo.kernels.decode import decode_attention  # noqa: E402
@@ -378,18 +378,29 @@ def test_decode_kernel(name, splits):
     others = torch.ones(out.shape[0], dtype=torch.bool)
     others[rows] = False
     assert out[others].isnan().all(), "decode wrote rows of multi-token requests"
+    assert_merge_counters_at_zero()
 
 
-def test_decode_window_in_chunks():
+def assert_merge_counters_at_zero():
+    """Every split head's last program set its merge counter back to zero: the next launch (a CUDA graph's replay
+    among them) starts from zero."""
+    for buffers in decode._MERGE_COUNTERS.values():
+        assert all(not counters.any() for counters in buffers), "a merge counter was left above zero"
+
+
+@pytest.mark.parametrize("sink", [8, 0])
+def test_decode_window_in_chunks(sink):
     """A long window splits into several chunks (split length = min_split here): chunks that end mid-tile, windows
-    shorter than the sinks plus recent, contexts within the sinks, all merged to the reference."""
-    p = Preset(8, 4, (2,), tuple((n, 1) for n in (200, 60, 40, 7, 3, 0, 91)), sink=8, recent=40)
+    shorter than the sinks plus recent, contexts within the sinks, all merged to the reference; without sinks the
+    empty sink split only counts toward its head's merge."""
+    p = Preset(8, 4, (2,), tuple((n, 1) for n in (200, 60, 40, 7, 3, 0, 91)), sink=sink, recent=40)
     case = make_case(p)
     ref, _ = case.reference()
     (cache, _), out = written_caches(case), case.poisoned_output()
     decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out, 4,
                      min_split=16)  # 1 sink split + 3 window chunks per streaming head
     assert_close(out, ref, torch.float32)
+    assert_merge_counters_at_zero()
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -498,9 +509,9 @@ def test_launched_kernels_declare_their_memory_strides_64_bit():
     a launched kernel takes is declared tl.int64."""
     import inspect
 
-    from vllm_duo.kernels import cache_write, decode, prefill, queries, row_pages, selection, sparse_decode
+    from vllm_duo.kernels import cache_write, prefill, queries, row_pages, selection, sparse_decode
 
-    kernels = [decode._decode_kernel, decode._merge_kernel, prefill._prefill_kernel, cache_write._write_kv_kernel,
+    kernels = [decode._decode_kernel, prefill._prefill_kernel, cache_write._write_kv_kernel,
                queries._quantize_kernel, sparse_decode._sparse_decode_kernel, sparse_decode._sparse_merge_kernel,
                selection._centroid_logits_kernel, selection._centroid_scores_kernel,
                selection._page_scores_kernel, selection._band_ends_kernel, selection._band_gather_kernel,
