@@ -24,15 +24,17 @@ the host time to issue a call, cProfile's split of it, each launch's host time a
 launcher alone (what a launch cached per layer would cost), and the streaming heads' prefill as served (fresh
 prompts' keys from the step's K/V), with every key from the page groups, and over several tile shapes. q, k and v are
 views of one fused qkv, as vLLM passes them.
-Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, and the
-streaming heads in one program each as before they were split.
+Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, the
+streaming heads in one program each as before they were split, and the layer with the split heads merged by a second
+launch (decode.MERGE_IN_LAUNCH off; served: in the decode launch).
 
 long decode (`--long-decode`, issue 32): whole 32-layer decode steps at batch 4 x 64k and 4 x 128k over an fp8 cache
 and 4 x 64k over bf16, each one CUDA graph replay as served: duo (the reference pattern's retrieval heads per layer at
 sparsity 0.5) against dense's cache write + FA3 (32 splits, the step's schedule), then duo with FA3's split cap at
-4-64, each part alone, the streaming heads after FA3 on one stream (served: beside it on a second stream), FA3
-given a step schedule (bf16: FA3 on the retrieval heads instead of Triton, alone and beside the streaming heads), and
-the torch profiler's kernels of both steps.
+4-64, each part alone, the split heads merged by a second launch (served: in the decode launch), the streaming
+heads after FA3 on one stream (served: beside it on a second stream), FA3 given a step schedule (bf16: FA3 on the
+retrieval heads instead of Triton, alone and beside the streaming heads), and the torch profiler's kernels of both
+steps.
 
 squeeze decode (`--squeeze-decode`, issue 33): the same steps at 4 x 64k and 4 x 128k over an fp8 cache, duo as served
 against duo with Squeezed Attention's lookup and sparse decode on its retrieval heads at budgets 1/16, 1/8 and 1/4 of
@@ -557,6 +559,7 @@ def bench_mixed(fa, rows, out_json):
     the streaming heads' prefill over the tile shapes of PREFILL_CONFIGS."""
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import get_scheduler_metadata
+    from vllm_duo.kernels import decode as decode_module
     from vllm_duo.kernels import prefill as prefill_module
     from vllm_duo.gpu_attention import retrieval_flash_attention
 
@@ -695,6 +698,10 @@ def bench_mixed(fa, rows, out_json):
             del variants
         else:  # decode: the launch lasts as long as its longest chain of tiles; which is it, and do shorter splits help
             res["duo_decode"] = bench_decode_splits(query, duo, qsl, sl, out, name, T, rows)
+            with patch.object(decode_module, "MERGE_IN_LAUNCH", False):  # as served before 3e0eb5c
+                res["duo_merge_launch_device_ms"] = device_ms(duo_layer)
+            rows.append((f"mixed {T}", f"{name}: duo layer, split merge by a second launch",
+                         res["duo_merge_launch_device_ms"], float("nan")))
         res["duo_python"] = python_top(duo_layer)
         res["dense_python"] = python_top(dense_layer)
         for side in ("duo", "dense"):
@@ -993,6 +1000,9 @@ def bench_long_decode(fa, rows, out_json):
 
         timed("write only", duo_parts(retrieval=None, streaming=False))
         timed("streaming only (Triton)", duo_parts(write=False, streaming=True))
+        with patch.object(decode_module, "MERGE_IN_LAUNCH", False):  # as served before 3e0eb5c
+            timed("duo, split merge by a second launch", duo_step, duo_bytes)
+            timed("streaming only (Triton), merge by a second launch", duo_parts(write=False, streaming=True))
         if fp8 and fa3 is not None:
             for cap in LONG_DECODE_FLASH_SPLITS:
                 with patch.object(gpu_attention, "FLASH_MAX_SPLITS", cap):

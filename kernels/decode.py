@@ -162,13 +162,14 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
                    STREAM_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                   WINDOW_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr):
+                   WINDOW_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS + S * STREAM_SPLITS - first_program); requests whose query length is not 1 exit
     at once.
 
     Programs before `first_program` are not launched: R * MAX_SPLITS of them leaves the streaming heads only.
     A head split more than once writes its splits' results to part_out/part_lse, and counts its programs in
     `counter[req * (R + S) + head]` (int32, zero before the launch and after it); the last one merges (`merge_last`).
+    Without MERGE_IN_LAUNCH `_merge_kernel` merges them after this launch.
     An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output
     (split results too: the merge is linear) the v scale.
     """
@@ -229,9 +230,11 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
                      out.to(out_ptr.dtype.element_ty), mask=mask)
             return
         store_part(part_out_ptr, part_lse_ptr, row, split, out, m_i, l_i, G, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_PARTS)
-    merge_last(counter_ptr + req * (num_retrieval + num_streaming) + head,
-               tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS), part_out_ptr, part_lse_ptr, row, first_part,
-               last_part, out_ptr, q_start, kv_head, stride_ot, stride_oh, G, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_PARTS)
+    if MERGE_IN_LAUNCH:
+        merge_last(counter_ptr + req * (num_retrieval + num_streaming) + head,
+                   tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS), part_out_ptr, part_lse_ptr, row,
+                   first_part, last_part, out_ptr, q_start, kv_head, stride_ot, stride_oh, G, BLOCK_G, HEAD_DIM,
+                   BLOCK_D, NUM_PARTS)
 
 
 @triton.jit
@@ -269,6 +272,41 @@ def merge_last(counter_ptr, num_programs, part_out_ptr, part_lse_ptr, row, first
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
+@triton.jit(do_not_specialize=["num_retrieval", "num_streaming", "sink", "recent", "first_head"])
+def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streaming_kv_ptr, query_start_loc_ptr,
+                  seq_lens_ptr, num_retrieval, num_streaming, sink, recent, first_head,
+                  stride_ot: tl.int64, stride_oh: tl.int64,
+                  G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                  WINDOW_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
+    combine one query head's split results by their log-sum-exp. Launched after `_decode_kernel` where
+    MERGE_IN_LAUNCH is off (kernels_bench.py measures it against the merge in the decode launch)."""
+    req = tl.program_id(0)
+    h = tl.program_id(1) + first_head * G
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    split_len = keys_per_split(seq_len, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = h // G
+    if head < num_retrieval:
+        s_ok = offs_s * split_len < seq_len
+        kv_head = tl.load(retrieval_kv_ptr + head)
+    else:
+        lo, hi = _stream_split(offs_s, seq_len, sink, recent, WINDOW_SPLIT)
+        s_ok = lo < hi
+        kv_head = tl.load(streaming_kv_ptr + head - num_retrieval)
+    s_ok = s_ok & (offs_s < NUM_PARTS)
+    part = (req * (num_retrieval + num_streaming) * G + h) * NUM_PARTS + offs_s
+    out = merge_parts(part_out_ptr, part_lse_ptr, part, s_ok, HEAD_DIM, BLOCK_D)
+    q_head = kv_head * G + h % G
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
 @functools.cache
 def _sm_count(device_index: int | None) -> int:
     """The GPU's SM count (a property lookup costs host time on every layer call otherwise)."""
@@ -302,6 +340,9 @@ def decode_tiles(head_dim: int, device: torch.device, fp8: bool = False) -> Deco
 # slower: benchmarks/results/2026-12-07-h100-decode-variants), still behind FlashAttention-3's 3.79 (7.08), which
 # decodes them on Hopper (gpu_attention.py)
 FP8_DECODE_TILES = DecodeTiles(64, MIN_SPLIT_TOKENS, 5, 4)
+# A split head's parts merged by the last of its programs in the decode launch (`merge_last`), not by a second launch
+# (`_merge_kernel`): a launch a layer fewer in every decode step; kernels_bench.py times both, side by side
+MERGE_IN_LAUNCH = True
 
 
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
@@ -358,8 +399,10 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
     window_split = cdiv(cdiv(heads.recent, max(stream_splits - 1, 1)), block_n) * block_n
     num_parts = max(max_num_splits, stream_splits)
     first_program = R * max_num_splits if streaming_only else 0
+    # KV heads whose splits are merged (part_out's rows run retrieval, then streaming heads)
+    merged = range(0 if max_num_splits > 1 and not streaming_only else R, R + S if stream_splits > 1 else R)
     part_out = part_lse = output  # unused placeholders when nothing is split
-    if (max_num_splits > 1 and not streaming_only) or stream_splits > 1:
+    if merged:
         part_out = torch.empty(num_reqs, (R + S) * G, num_parts, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, (R + S) * G, num_parts, dtype=torch.float32, device=cache.device)
     counters = merge_counters(num_reqs * (R + S), cache.device)  # unread when nothing is split
@@ -372,7 +415,13 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
         MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        MERGE_IN_LAUNCH=MERGE_IN_LAUNCH, num_warps=tiles.warps, num_stages=tiles.stages)
+    if merged and not MERGE_IN_LAUNCH:
+        launch(_merge_kernel, (num_reqs, len(merged) * G))(
+            output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
+            heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),
+            G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=max_num_splits, NUM_PARTS=num_parts,
+            MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, BLOCK_S=next_power_of_2(num_parts), num_warps=8)
 
 
 def merge_counters(rows: int, device: torch.device) -> torch.Tensor:

@@ -24,7 +24,7 @@ NO_COMPILER = 77  # exit code: this Triton has no CUDA backend to compile with (
 
 from vllm_duo.kernels.cache_write import WRITE_BLOCK_T, _write_kv_kernel
 from vllm_duo.kernels.clustering import NEAREST_TILE, _nearest_centre_kernel
-from vllm_duo.kernels.decode import _decode_kernel, decode_tiles
+from vllm_duo.kernels.decode import _decode_kernel, _merge_kernel, decode_tiles
 from vllm_duo.kernels.prefill import _prefill_kernel, prefill_tiles
 from vllm_duo.kernels.reference import FP8_FORMATS
 from vllm_duo.kernels.selection import (BAND_CLUSTERS, BAND_COUNT_CLUSTERS, BAND_OCTAVE, GATHER_SLOTS, SCORE_BANDS,
@@ -92,7 +92,7 @@ def cases():
     the sparse decode and the selection scores (sparse_decode.py, selection.py) at Llama's.
     About 1.5 s a kernel on a cold Triton cache, so the table stays short."""
     for model, cache, G, head_dim, variants in (
-            (torch.bfloat16, torch.bfloat16, 4, 128, {"write", "prefill", "decode without splits", "sparse",
+            (torch.bfloat16, torch.bfloat16, 4, 128, {"write", "prefill", "decode without splits", "merge", "sparse",
                                                       "scores"}),
             (torch.bfloat16, torch.float8_e4m3fn, 4, 128, {"write", "prefill", "sparse", "logits"}),
             (torch.bfloat16, torch.bfloat16, 3, 64, set())):
@@ -129,9 +129,14 @@ def cases():
             parts = max(max_splits, stream_splits)
             constants = dict(shape, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
                              MAX_SPLITS=max_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=parts, MIN_SPLIT=min_split,
-                             WINDOW_SPLIT=min_split, FP16=fp16)
+                             WINDOW_SPLIT=min_split, FP16=fp16, MERGE_IN_LAUNCH=True)
             yield (f"decode {tag} splits {max_splits}/{stream_splits}", _decode_kernel, model, cache, constants,
                    dict(num_warps=tiles.warps, num_stages=tiles.stages))
+            if parts > 1 and "merge" in variants:  # the merge launch where MERGE_IN_LAUNCH is off
+                constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
+                                 MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split, WINDOW_SPLIT=min_split,
+                                 BLOCK_S=triton.next_power_of_2(parts))
+                yield f"merge {tag} parts {parts}", _merge_kernel, model, cache, constants, dict(num_warps=8)
 
         if "sparse" in variants:
             block_g = max(16, triton.next_power_of_2(G))

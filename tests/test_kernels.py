@@ -360,10 +360,13 @@ def test_decode_kernel_streaming_only(name):
                 "decode wrote retrieval heads or rows of multi-token requests")
 
 
+@pytest.mark.parametrize("merge_in_launch", [True, False])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", PRESETS)
-def test_decode_kernel(name, splits):
-    """Decode writes exactly the rows of single-token requests, with or without the split merge."""
+def test_decode_kernel(name, splits, merge_in_launch, monkeypatch):
+    """Decode writes exactly the rows of single-token requests, with or without the split merge (in the decode
+    launch, or by a second launch)."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     case = make_case(PRESETS[name])
     rows = decode_rows(case)
     if rows.numel() == 0:
@@ -388,11 +391,13 @@ def assert_merge_counters_at_zero():
         assert all(not counters.any() for counters in buffers), "a merge counter was left above zero"
 
 
+@pytest.mark.parametrize("merge_in_launch", [True, False])
 @pytest.mark.parametrize("sink", [8, 0])
-def test_decode_window_in_chunks(sink):
+def test_decode_window_in_chunks(sink, merge_in_launch, monkeypatch):
     """A long window splits into several chunks (split length = min_split here): chunks that end mid-tile, windows
     shorter than the sinks plus recent, contexts within the sinks, all merged to the reference; without sinks the
     empty sink split only counts toward its head's merge."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     p = Preset(8, 4, (2,), tuple((n, 1) for n in (200, 60, 40, 7, 3, 0, 91)), sink=sink, recent=40)
     case = make_case(p)
     ref, _ = case.reference()
@@ -511,7 +516,7 @@ def test_launched_kernels_declare_their_memory_strides_64_bit():
 
     from vllm_duo.kernels import cache_write, prefill, queries, row_pages, selection, sparse_decode
 
-    kernels = [decode._decode_kernel, prefill._prefill_kernel, cache_write._write_kv_kernel,
+    kernels = [decode._decode_kernel, decode._merge_kernel, prefill._prefill_kernel, cache_write._write_kv_kernel,
                queries._quantize_kernel, sparse_decode._sparse_decode_kernel, sparse_decode._sparse_merge_kernel,
                selection._centroid_logits_kernel, selection._centroid_scores_kernel,
                selection._page_scores_kernel, selection._band_ends_kernel, selection._band_gather_kernel,
@@ -842,3 +847,4 @@ def test_decode_cuda_graph(kv_dtype, by_triton, monkeypatch):
         ref, ref_caches = (case if by_triton else with_flash_fp8_queries(case)).reference()
         assert_close(out, ref, torch.bfloat16)
         assert_caches_equal((cache,), ref_caches[:1])
+    assert_merge_counters_at_zero()
