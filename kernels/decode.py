@@ -12,9 +12,10 @@ a streaming head's sinks or one chunk of its window (at most STREAM_WINDOW_SPLIT
     retrieval head:  split 0 [0, 256)  split 1 [256, 512)  split 2 [512, 768)  split 3 [768, 1000)
     streaming head:  split 0 the sinks [0, 64)  splits 1-4 the window [744, 808) [808, 872) [872, 936) [936, 1000)
 
-A head split more than once is merged in the same launch: each split stores its result and log-sum-exp,
-and the last of the head's programs to finish (a counter per head, which that program sets back to zero) combines
-them. No host syncs, fixed grid shapes and counters that end every launch at zero: CUDA-graph capturable.
+A head split more than once is merged by its split results' log-sum-exp: by a second kernel, or (MERGE_IN_LAUNCH)
+in the same launch, where the last of the head's programs to finish (a counter per head, which that program sets
+back to zero) combines them. No host syncs, fixed grid shapes and counters that end every launch at zero:
+CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -280,8 +281,7 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
                   MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr,
                   WINDOW_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
-    combine one query head's split results by their log-sum-exp. Launched after `_decode_kernel` where
-    MERGE_IN_LAUNCH is off (kernels_bench.py measures it against the merge in the decode launch)."""
+    combine one query head's split results by their log-sum-exp, after `_decode_kernel` (without MERGE_IN_LAUNCH)."""
     req = tl.program_id(0)
     h = tl.program_id(1) + first_head * G
     q_start = tl.load(query_start_loc_ptr + req)
@@ -340,9 +340,10 @@ def decode_tiles(head_dim: int, device: torch.device, fp8: bool = False) -> Deco
 # slower: benchmarks/results/2026-12-07-h100-decode-variants), still behind FlashAttention-3's 3.79 (7.08), which
 # decodes them on Hopper (gpu_attention.py)
 FP8_DECODE_TILES = DecodeTiles(64, MIN_SPLIT_TOKENS, 5, 4)
-# A split head's parts merged by the last of its programs in the decode launch (`merge_last`), not by a second launch
-# (`_merge_kernel`): a launch a layer fewer in every decode step; kernels_bench.py times both, side by side
-MERGE_IN_LAUNCH = True
+# A split head's parts merged by the last of its programs in the decode launch (`merge_last`) instead of by a second
+# launch (`_merge_kernel`): a launch a layer fewer in every decode step. CPU-tested and compiled for sm_90, not yet run
+# on a GPU: off until the GPU tests pass with it and kernels_bench.py (--long-decode, --mixed) shows it faster
+MERGE_IN_LAUNCH = False
 
 
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:

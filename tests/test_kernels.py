@@ -742,9 +742,13 @@ CUDA = torch.device("cuda")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_in_launch", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(GPU_PRESETS) + list(PRESETS))
-def test_duo_attention_triton_cuda(name, dtype):
+def test_duo_attention_triton_cuda(name, dtype, merge_in_launch, monkeypatch):
+    """The served kernels on the GPU against the reference; decode splits each head over many programs there, whose
+    merge runs as a second launch or in the decode launch (`decode.MERGE_IN_LAUNCH`)."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=dtype, device=CUDA)
     ref, ref_caches = case.reference()
     cache, stream = case.fresh_caches()
@@ -752,6 +756,7 @@ def test_duo_attention_triton_cuda(name, dtype):
     torch.cuda.synchronize()
     assert_close(out, ref, dtype)
     assert_caches_equal((cache, stream), ref_caches)
+    assert_merge_counters_at_zero()
 
 
 @pytest.mark.gpu
@@ -814,9 +819,12 @@ def test_duo_attention_triton_cuda_fp8(name, kv_dtype):
     (torch.bfloat16, False), (torch.float8_e4m3fn, False),
     # every head by the Triton decode over fp8 pages (no FlashAttention: its fp8 tiles)
     (torch.float8_e4m3fn, True)])
-def test_decode_cuda_graph(kv_dtype, by_triton, monkeypatch):
+@pytest.mark.parametrize("merge_in_launch", [False, True])
+def test_decode_cuda_graph(kv_dtype, by_triton, merge_in_launch, monkeypatch):
     """A decode step captured once replays correctly on new inputs written into the same buffers, and on new
-    scales (vLLM's --calculate-kv-scales sets them after capture)."""
+    scales (vLLM's --calculate-kv-scales sets them after capture); with the split merge in the decode launch, each
+    replay leaves its counters at zero for the next."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     if by_triton:
         monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.bfloat16, torch.bfloat16)})
     quant = cuda_scales() if kv_dtype != torch.bfloat16 else None

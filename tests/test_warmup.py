@@ -18,7 +18,7 @@ from vllm_duo.kernels import attention, cache_write, decode, prefill, queries
 from vllm_duo.kernels.reference import KVQuant
 from vllm_duo.warmup import WARM_UP_STEPS, WarmUpStep, decode_split_counts
 
-KERNELS = {prefill: ["_prefill_kernel"], decode: ["_decode_kernel"],
+KERNELS = {prefill: ["_prefill_kernel"], decode: ["_decode_kernel", "_merge_kernel"],
            cache_write: ["_write_kv_kernel"], queries: ["_quantize_kernel"]}
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
