@@ -246,6 +246,7 @@ def merge_last(counter_ptr, num_programs, part_out_ptr, part_lse_ptr, row, first
     the head's split results [first_part, last_part) (`store_part`'s rows [row, row + G)) by their log2-sum-exp into
     its G query heads' output at `token`, and sets the counter back to zero for the next launch.
 
+    A part may carry no weight (log-sum-exp -inf: the sparse decode's split of skipped positions only).
     The barrier orders every thread's `store_part` before the count (an acquire-release atomic at GPU scope), and
     the last program reads the parts past its SM's L1 (`.cg`): it may hold lines of an earlier launch's parts."""
     tl.debug_barrier()
@@ -261,8 +262,9 @@ def merge_last(counter_ptr, num_programs, part_out_ptr, part_lse_ptr, row, first
         for part in range(first_part, last_part):
             lse = tl.load(part_lse_ptr + parts + part, mask=g_ok, other=0.0, cache_modifier=".cg")
             m_new = tl.maximum(m_i, lse)
-            alpha = tl.exp2(m_i - m_new)
-            weight = tl.exp2(lse - m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no weight yet: keep exp2 off -inf - -inf
+            alpha = tl.exp2(m_i - m_safe)
+            weight = tl.exp2(lse - m_safe)
             value = tl.load(part_out_ptr + (parts + part)[:, None] * HEAD_DIM + offs_d[None, :],
                             mask=g_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
             acc = acc * alpha[:, None] + value * weight[:, None]

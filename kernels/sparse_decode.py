@@ -11,7 +11,8 @@ from the list's length, at least MIN_SPLIT), so that a few requests with long li
     position    0 .. 63  | selected[0 .. 4]     | 744 .. 999
     split 0 [0, 128)  split 1 [128, 256)  split 2 [256, 325)
 
-A second kernel merges each head's split results by their log-sum-exp (decode.py's `store_part` / `merge_parts`).
+Each head's split results are merged by their log-sum-exp as decode.py's are: by a second kernel (`merge_parts`),
+or with decode.MERGE_IN_LAUNCH by the last of its programs (`merge_last`).
 No host syncs and fixed grid shapes: CUDA-graph capturable. The selection itself is selection.py's.
 """
 
@@ -22,8 +23,9 @@ import triton
 import triton.language as tl
 
 from vllm_duo.kernels.cache_write import check_attention, fp8_format, fp8_in_fp16, scale_tensors
-from vllm_duo.kernels.decode import (decode_num_splits, decode_tiles, keys_per_split, merge_parts, start_decode,
-                                     store_part)
+from vllm_duo.kernels import decode
+from vllm_duo.kernels.decode import (decode_num_splits, decode_tiles, keys_per_split, merge_counters, merge_last,
+                                     merge_parts, start_decode, store_part)
 from vllm_duo.kernels.launch import launch, next_power_of_2
 from vllm_duo.kernels.prefill import LOG2E, retrieval_kv, softmax_tile
 from vllm_duo.kernels.reference import KVQuant, LayerHeads
@@ -51,7 +53,7 @@ def _unclustered(context_ends_ptr, req, CONTEXT_ENDS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "stride", "sink", "recent", "max_selected"])
-def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr,
+def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, retrieval_kv_ptr,
                           query_start_loc_ptr, seq_lens_ptr, block_table_ptr, selected_ptr, num_selected_ptr,
                           context_ends_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_retrieval, stride, sink, recent,
                           max_selected,
@@ -62,14 +64,17 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
                           G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
                           MIN_SPLIT: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
-                          CONTEXT_ENDS: tl.constexpr):
+                          CONTEXT_ENDS: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr):
     """Grid (num_reqs, R * MAX_SPLITS): split `pid % MAX_SPLITS` of retrieval head `pid // MAX_SPLITS`'s key list.
 
-    Requests whose query length is not 1 or whose context end is 0 exit at once, and so do splits past the list. A
+    Requests whose query length is not 1 or whose context end is 0 exit at once; splits past the list attend
+    nothing (with MERGE_IN_LAUNCH they count toward their head's merge). A
     selected position in the sinks or the window, or past the context, is skipped (those keys are read once, as
     sinks or window).
-    With MAX_SPLITS > 1 the results go to part_out/part_lse for the merge. An FP8 cache holds K/V divided by
-    the layer's scales: the scores take the k scale, each output the v scale.
+    With MAX_SPLITS > 1 the results go to part_out/part_lse for the merge: with MERGE_IN_LAUNCH the last of a head's
+    programs merges them (`counter[req * R + head]`, decode.py's `merge_last`), else `_sparse_merge_kernel` after
+    this launch. An FP8 cache holds K/V divided by the layer's scales: the scores take the k scale, each output the v
+    scale.
     """
     req = tl.program_id(0)
     head = tl.program_id(1) // MAX_SPLITS
@@ -83,34 +88,38 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
     split_len = keys_per_split(length, MAX_SPLITS, BLOCK_N, MIN_SPLIT)
     lo = split * split_len
     hi = tl.minimum(length, lo + split_len)
-    if lo >= hi:
-        return
-
-    q, q_head, mask, qk_scale, v_scale, m_i, l_i, acc = start_decode(
-        query_ptr, q_start, tl.load(retrieval_kv_ptr + head), k_scale_ptr, v_scale_ptr, qk_scale, stride_qt,
-        stride_qh, G, BLOCK_G, HEAD_DIM, BLOCK_D, FP8, FP16)
-    table_row = block_table_ptr + req * stride_table
-    selected_row = selected_ptr + req * stride_selr + head * stride_selh
-    for start in range(lo, hi, BLOCK_N):
-        index = start + tl.arange(0, BLOCK_N)
-        valid = index < hi
-        listed = (index >= num_sink) & (index < num_sink + num_selected)
-        chosen = tl.load(selected_row + (index - num_sink), mask=valid & listed, other=0)
-        pos = tl.where(index < num_sink, index, tl.where(listed, chosen, window + index - num_sink - num_selected))
-        valid = valid & (~listed | ((chosen >= sink) & (chosen < window)))
-        k, v = retrieval_kv(pos, valid, cache_ptr, table_row, stride, head, stride_cb, stride_ckv, stride_cr,
-                            stride_ch, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
-        m_i, l_i, acc = softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, True)
-    # a split of skipped positions only: 0 with log-sum-exp -inf, no weight in the merge (the window is never empty)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
-    if MAX_SPLITS > 1:
+    kv_head = tl.load(retrieval_kv_ptr + head)
+    if lo < hi:  # else a split past the list: with MERGE_IN_LAUNCH it only counts
+        q, q_head, mask, qk_scale, v_scale, m_i, l_i, acc = start_decode(
+            query_ptr, q_start, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh, G, BLOCK_G,
+            HEAD_DIM, BLOCK_D, FP8, FP16)
+        table_row = block_table_ptr + req * stride_table
+        selected_row = selected_ptr + req * stride_selr + head * stride_selh
+        for start in range(lo, hi, BLOCK_N):
+            index = start + tl.arange(0, BLOCK_N)
+            valid = index < hi
+            listed = (index >= num_sink) & (index < num_sink + num_selected)
+            chosen = tl.load(selected_row + (index - num_sink), mask=valid & listed, other=0)
+            pos = tl.where(index < num_sink, index, tl.where(listed, chosen, window + index - num_sink - num_selected))
+            valid = valid & (~listed | ((chosen >= sink) & (chosen < window)))
+            k, v = retrieval_kv(pos, valid, cache_ptr, table_row, stride, head, stride_cb, stride_ckv, stride_cr,
+                                stride_ch, q.dtype, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
+            m_i, l_i, acc = softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, True)
+        # a split of skipped positions only: 0 with log-sum-exp -inf, no weight in the merge (the window is never
+        # empty)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
+        if MAX_SPLITS == 1:
+            offs_d = tl.arange(0, BLOCK_D)
+            tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=mask)
+            return
         # part_out [num_reqs, R * G, MAX_SPLITS, HEAD_DIM], part_lse [num_reqs, R * G, MAX_SPLITS]
         store_part(part_out_ptr, part_lse_ptr, (req * num_retrieval + head) * G, split, out, m_i, l_i, G, BLOCK_G,
                    HEAD_DIM, BLOCK_D, MAX_SPLITS)
-    else:
-        offs_d = tl.arange(0, BLOCK_D)
-        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+    if MERGE_IN_LAUNCH and MAX_SPLITS > 1:
+        merge_last(counter_ptr + req * num_retrieval + head, MAX_SPLITS, part_out_ptr, part_lse_ptr,
+                   (req * num_retrieval + head) * G, 0, tl.cdiv(length, split_len), out_ptr, q_start, kv_head,
+                   stride_ot, stride_oh, G, BLOCK_G, HEAD_DIM, BLOCK_D, MAX_SPLITS)
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "sink", "recent", "max_selected"])
@@ -194,17 +203,18 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
     if max_num_splits > 1:
         part_out = torch.empty(num_reqs, R * G, max_num_splits, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, R * G, max_num_splits, dtype=torch.float32, device=cache.device)
+    in_launch = decode.MERGE_IN_LAUNCH
     launch(_sparse_decode_kernel, (num_reqs, R * max_num_splits))(
-        query, cache, output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, block_table,
+        query, cache, output, part_out, part_lse, merge_counters(num_reqs * R, cache.device), heads.retrieval_kv, query_start_loc, seq_lens, block_table,
         selected, num_selected, seq_lens if context_ends is None else context_ends, *scale_tensors(quant, cache),
         scale * LOG2E, R, heads.stride, sink, recent,
         max_selected, *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *selected.stride()[:2], *num_selected.stride(),
         G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, MIN_SPLIT=min_split, FP8=fp8_format(cache),
-        FP16=fp8_in_fp16(cache, query), CONTEXT_ENDS=context_ends is not None, num_warps=tiles.warps,
-        num_stages=tiles.stages)
-    if max_num_splits > 1:
+        FP16=fp8_in_fp16(cache, query), CONTEXT_ENDS=context_ends is not None, MERGE_IN_LAUNCH=in_launch,
+        num_warps=tiles.warps, num_stages=tiles.stages)
+    if max_num_splits > 1 and not in_launch:
         launch(_sparse_merge_kernel, (num_reqs, R * G))(
             output, part_out, part_lse, heads.retrieval_kv, query_start_loc, seq_lens, num_selected,
             seq_lens if context_ends is None else context_ends, R, sink, recent, max_selected, *output.stride()[:2],

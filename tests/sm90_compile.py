@@ -142,7 +142,7 @@ def cases():
             block_g = max(16, triton.next_power_of_2(G))
             for max_splits in (1, 64):
                 constants = dict(shape, G=G, BLOCK_G=block_g, BLOCK_N=block_n, MAX_SPLITS=max_splits,
-                                 MIN_SPLIT=min_split, FP16=fp16, CONTEXT_ENDS=True)
+                                 MIN_SPLIT=min_split, FP16=fp16, CONTEXT_ENDS=True, MERGE_IN_LAUNCH=True)
                 yield (f"sparse decode {tag} splits {max_splits}", _sparse_decode_kernel, model, cache, constants,
                        dict(num_warps=tiles.warps, num_stages=tiles.stages))
             constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], MAX_SPLITS=64,

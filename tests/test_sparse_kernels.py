@@ -3,6 +3,7 @@
 interpreter with test_kernels.py's small cases; the end-to-end equality: selecting every context position gives
 duo's full retrieval decode."""
 
+import dataclasses
 from typing import NamedTuple
 
 import pytest
@@ -11,6 +12,7 @@ from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Pr
                           assert_close, assert_only, cuda_scales, decode_rows, lifted, lifted_table, make_case,
                           written_caches)
 
+from vllm_duo.kernels import decode
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
@@ -104,9 +106,11 @@ def assert_retrieval_rows(out: torch.Tensor, expected: torch.Tensor, case: Case,
                 "wrote streaming heads or rows of multi-token requests")
 
 
+@pytest.mark.parametrize("merge_in_launch", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", DECODE)
-def test_sparse_decode_matches_reference(name, splits):
+def test_sparse_decode_matches_reference(name, splits, merge_in_launch, monkeypatch):
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     case = make_case(PRESETS[name])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
@@ -126,10 +130,12 @@ def test_full_selection_equals_duo_decode(name):
     assert_retrieval_rows(out, case.reference()[0], case)
 
 
+@pytest.mark.parametrize("merge_in_launch", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_context_ends_set_the_window(splits):
+def test_context_ends_set_the_window(splits, merge_in_launch, monkeypatch):
     """A request's window starts at its context's end: the tokens after a squeezed context are read however many
     there are, and selected positions from there on count once (as window)."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     case = make_case(PRESETS["decode_gqa3"])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
@@ -140,8 +146,10 @@ def test_context_ends_set_the_window(splits):
     assert not torch.allclose(out[rows][:, q], run_sparse(case, cache, selected, counts, splits)[rows][:, q])
 
 
-def test_context_end_0_leaves_the_request_to_duo():
+@pytest.mark.parametrize("merge_in_launch", [False, True])
+def test_context_end_0_leaves_the_request_to_duo(merge_in_launch, monkeypatch):
     """A request without a clustered context (context end 0) is not written: duo's own decode serves it."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     case = make_case(PRESETS["decode_gqa3"])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
@@ -173,12 +181,16 @@ def test_empty_selection_attends_sinks_and_window():
 
 # bf16 queries over a bf16 cache: on CUDA only (the interpreter's bf16 tl.dot is wrong, decode.py's too)
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # the interpreter's log2(0) = -inf, meant
-def test_split_of_skipped_positions_only():
+@pytest.mark.parametrize("merge_in_launch", [False, True])
+@pytest.mark.parametrize("sink", [4, 0])
+def test_split_of_skipped_positions_only(sink, merge_in_launch, monkeypatch):
     """A split whose listed positions all lie in the sinks, the window or past the context adds nothing to the merge
-    (here split 1 of 4: 4 sinks, 60 skipped positions, 16 window positions in splits of 32)."""
-    case = make_case(PRESETS["decode_mha"])
+    (here 4 sinks or none, 60 skipped positions, 16 window positions in splits of 32: split 1 of 4 is skipped
+    positions only, or without sinks split 0, the first part a merge reads)."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    case = make_case(dataclasses.replace(PRESETS["decode_mha"], sink=sink))
     cache, _ = written_caches(case)
-    skipped = torch.cat([torch.arange(4), torch.arange(45, 101)])  # request 0: seq_len 61, window [45, 61)
+    skipped = torch.cat([torch.arange(sink), torch.arange(45, 105 - sink)])  # request 0: seq_len 61, window [45, 61)
     selected, counts = selection(case, [[skipped], [torch.tensor([], dtype=torch.long)], [skipped[:2]]])
     out = run_sparse(case, cache, selected, counts, 4)
     assert_retrieval_rows(out, sparse_reference(case, cache, selected, counts), case)
@@ -456,10 +468,12 @@ def test_pages_selecting_everything_equal_duo_decode():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_in_launch", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype):
+def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype, merge_in_launch, monkeypatch):
     """A bf16 model on CUDA: page bounds, page selection and sparse decode captured once, replayed on new queries,
     each to its reference (the selection from the replay's own scores: TF32 bounds may reorder near ties)."""
+    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
     quant = cuda_scales() if kv_dtype in FP8 else None
     case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     cache, _ = written_caches(case, quant)
