@@ -205,8 +205,9 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
         part_lse = torch.empty(num_reqs, R * G, max_num_splits, dtype=torch.float32, device=cache.device)
     in_launch = decode.MERGE_IN_LAUNCH
     launch(_sparse_decode_kernel, (num_reqs, R * max_num_splits))(
-        query, cache, output, part_out, part_lse, merge_counters(num_reqs * R, cache.device), heads.retrieval_kv, query_start_loc, seq_lens, block_table,
-        selected, num_selected, seq_lens if context_ends is None else context_ends, *scale_tensors(quant, cache),
+        query, cache, output, part_out, part_lse, merge_counters(num_reqs * R, cache.device), heads.retrieval_kv,
+        query_start_loc, seq_lens, block_table, selected, num_selected,
+        seq_lens if context_ends is None else context_ends, *scale_tensors(quant, cache),
         scale * LOG2E, R, heads.stride, sink, recent,
         max_selected, *query.stride()[:2], *output.stride()[:2], block_table.stride(0), *cache.stride()[:4],
         *selected.stride()[:2], *num_selected.stride(),
