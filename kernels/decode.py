@@ -210,6 +210,7 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
         last_part = 1 + tl.cdiv(tl.maximum(seq_len - window, 0), WINDOW_SPLIT)
     # part_out [num_reqs, (R + S) * G, NUM_PARTS, HEAD_DIM], part_lse [num_reqs, (R + S) * G, NUM_PARTS]
     row = (req * (num_retrieval + num_streaming) + head) * G
+    splits = tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS)
     if lo < hi:  # else a split past the context, or an empty sink or window split: it only counts
         q, q_head, mask, qk_scale, v_scale, m_i, l_i, acc = start_decode(
             query_ptr, q_start, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh, G, BLOCK_G,
@@ -225,15 +226,14 @@ def _decode_kernel(query_ptr, cache_ptr, stream_ptr, out_ptr, part_out_ptr, part
                                              stride_sb, stride_skv, stride_sr, stride_sh,
                                              HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE)
         out = acc / l_i[:, None] * v_scale
-        if tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS) == 1:
+        if splits == 1:
             offs_d = tl.arange(0, BLOCK_D)
             tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=mask)
             return
         store_part(part_out_ptr, part_lse_ptr, row, split, out, m_i, l_i, G, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_PARTS)
-    if MERGE_IN_LAUNCH:
-        merge_last(counter_ptr + req * (num_retrieval + num_streaming) + head,
-                   tl.where(head < num_retrieval, MAX_SPLITS, STREAM_SPLITS), part_out_ptr, part_lse_ptr, row,
+    if MERGE_IN_LAUNCH and splits > 1:  # (an unsplit head gets here only with nothing to attend: an empty context)
+        merge_last(counter_ptr + req * (num_retrieval + num_streaming) + head, splits, part_out_ptr, part_lse_ptr, row,
                    first_part, last_part, out_ptr, q_start, kv_head, stride_ot, stride_oh, G, BLOCK_G, HEAD_DIM,
                    BLOCK_D, NUM_PARTS)
 
