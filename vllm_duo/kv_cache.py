@@ -185,6 +185,13 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         # per recent prompt: its tokens past the prefix it shared with earlier ones (None: it shared none)
         self._recent_prompts: collections.deque[int | None] = collections.deque(maxlen=RECENT_PROMPTS)
 
+    def _windows_of(self, request_id: str) -> _Windows:
+        """The request's `_Windows`, made at its first call."""
+        windows = self._windows.get(request_id)
+        if windows is None:
+            windows = self._windows[request_id] = _Windows()
+        return windows
+
     def _window(self, end_block: int) -> range:
         """Token blocks past the sinks whose groups a hit of `end_block` token blocks needs."""
         first = _first_window_block(end_block * self.block_size, self.recent, self.block_size)
@@ -217,7 +224,7 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
                                           num_external_computed_tokens)
         hit_blocks = len(new_computed_blocks) // self.stride
         self.num_cached_block[request_id] = hit_blocks
-        windows = self._windows.setdefault(request_id, _Windows())
+        windows = self._windows_of(request_id)
         windows.freed_up_to = self._window(hit_blocks).start
         if hit_blocks > self.sink_blocks:
             windows.mark(self._window(hit_blocks), KEPT)
@@ -239,10 +246,12 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks.get(request_id)
         if not blocks or self.stride == 1:
             return
-        windows = self._windows.setdefault(request_id, _Windows())
+        windows = self._windows_of(request_id)
         end = min(_first_window_block(processed_computed_tokens, self.recent, self.block_size),
                   len(blocks) // self.stride)
         start = max(windows.freed_up_to, self.sink_blocks)
+        if start >= end:
+            return
         freed, useless = [], set()
         for t in range(start, end):
             role = windows.role(t)
@@ -254,7 +263,7 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
                     continue
                 if role == RETAINED:
                     windows.retained_freed.append((column, block, block.block_hash))
-                elif block.ref_cnt == 1:
+                elif block.ref_cnt == 1 and block.block_hash is not None:
                     useless.add(block.block_id)
                 freed.append(block)
                 blocks[column] = self._null_block
@@ -273,7 +282,7 @@ class DuoKVCacheManager(SingleTypeKVCacheManager):
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
             return
-        windows = self._windows.setdefault(request.request_id, _Windows())
+        windows = self._windows_of(request.request_id)
         if not windows.planned:
             self._plan_windows(request, windows, num_cached)
         blocks = self.req_to_blocks[request.request_id]
