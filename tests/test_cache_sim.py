@@ -115,9 +115,11 @@ def test_command_prints_the_table_and_writes_json(tmp_path, capsys, monkeypatch)
     written = json.loads(out.read_text())
     assert written["trace"]["documents"] == 2 and written["engine"]["kv_dtype"] == "bf16"
     assert [r["backend"] for r in written["replays"]] == ["dense", "duo"]
+    assert all(r["scheduler_ms"] > 0 for r in written["replays"])  # the scheduler's host time, timed
     replayed = [cache_sim.Replay(**r) for r in written["replays"]]
     assert cache_sim.format_table(replayed) in printed
     assert "| dense |" in printed and "| duo |" in printed and "duo vs dense: hit rate" in printed
+    assert "scheduler host time a step" in printed
 
 
 @pytest.mark.parametrize("options", [

@@ -5,7 +5,9 @@ vLLM's own scheduler and KV cache manager run a trace of requests over shared do
 FullAttentionSpec) and duo (DuoAttentionSpec and DuoKVCacheManager) at equal KV bytes. A stand-in model runner
 returns one token for every request whose prompt is done, so the run takes seconds on a CPU, and what it
 measures is what the cache decides: hit rate, prompt tokens computed (and computed again), requests running and
-waiting, preemptions, and cached pages that no hit can reach (their window is gone).
+waiting, preemptions, and cached pages that no hit can reach (their window is gone); and the host time of vLLM's
+scheduler a step (`schedule` and `update_from_output`, the KV cache manager's bookkeeping among them), which an
+engine spends before each step on whatever host runs it.
 
 The model is the Llama-3.1-8B shape of the GPU benchmarks with its bundled pattern: only the KV layout matters.
 The defaults (`ISSUE_TRACE`, `ISSUE_ENGINE`) are the trace of the GPU benchmark shared_docs_full on an H100's fp8
@@ -21,6 +23,7 @@ import json
 import math
 import random
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +162,7 @@ class Replay:
     peak_waiting: int
     preemptions: int
     peak_unreachable_pages: int  # cached pages beyond the longest hit of a prompt of the trace
+    scheduler_ms: float  # host time of vLLM's schedule() and update_from_output() a step, mean over the replay
     series: list = field(default_factory=list)  # (step, running, waiting, KV usage, unreachable pages)
 
 
@@ -269,7 +273,7 @@ def replay(backend: str, trace: Trace, engine: Engine, sample_every: int = 25) -
     in_flight: collections.deque = collections.deque()
     depth = 2 if engine.async_scheduling else 1
     steps = prompt_tokens = recomputed = peak_waiting = unreachable = 0
-    running_sum = 0
+    running_sum = scheduler_s = 0
     series = []
     while waiting_to_send or scheduler.has_unfinished_requests() or in_flight:
         for _ in range(trace.arrivals_per_step or len(waiting_to_send)):
@@ -279,7 +283,9 @@ def replay(backend: str, trace: Trace, engine: Engine, sample_every: int = 25) -
                 if new.request_id.endswith(".0"):
                     first_prompt_hashes[int(new.request_id.split(".")[0])] = list(new.block_hashes)
         if scheduler.has_unfinished_requests():
+            started = time.perf_counter()
             output = scheduler.schedule()
+            scheduler_s += time.perf_counter() - started
             if not output.num_scheduled_tokens and not in_flight:  # nothing runs, so nothing will ever be freed
                 raise CacheSimError(f"{backend}'s KV cache admits no waiting request (a prefill chunk's blocks must "
                                     "fit): raise --dense-kv-tokens or lower --max-num-batched-tokens")
@@ -306,7 +312,9 @@ def replay(backend: str, trace: Trace, engine: Engine, sample_every: int = 25) -
                                round(scheduler.kv_cache_manager.usage, 3), unreachable_now))
         if len(in_flight) >= depth or (in_flight and not scheduler.has_unfinished_requests()):
             output, model_output = in_flight.popleft()
+            started = time.perf_counter()
             engine_outputs = scheduler.update_from_output(output, model_output)
+            scheduler_s += time.perf_counter() - started
             for outputs in engine_outputs.values():
                 for finished in outputs.outputs:
                     if finished.finish_reason is None:
@@ -319,7 +327,8 @@ def replay(backend: str, trace: Trace, engine: Engine, sample_every: int = 25) -
     preemptions = sum(1 for _, p in lookups.last if p > 0)
     return Replay(backend, scheduler.kv_cache_manager.block_pool.num_gpu_blocks * BLOCK_SIZE,
                   len(prompts) * trace.turns, round(lookups.hit_rate(), 4), prompt_tokens, recomputed, steps,
-                  round(running_sum / max(steps, 1), 1), peak_waiting, preemptions, unreachable, series)
+                  round(running_sum / max(steps, 1), 1), peak_waiting, preemptions, unreachable,
+                  round(1e3 * scheduler_s / max(steps, 1), 3), series)
 
 
 def _duo_plan(duo: dict):
@@ -369,16 +378,17 @@ def compare(trace: Trace, engine: Engine, backends: list[str], json_path: str | 
 def format_table(replays: list[Replay]) -> str:
     """A markdown table, one row per replay, and a line comparing duo with dense when both ran."""
     lines = ["| backend | KV cache tokens | hit rate | prompt tokens computed | recomputed tokens | steps | "
-             "mean running | peak waiting | preemptions | peak unreachable pages |",
-             "|---|" + "---:|" * 9]
+             "mean running | peak waiting | preemptions | peak unreachable pages | scheduler ms a step |",
+             "|---|" + "---:|" * 10]
     for r in replays:
         lines.append(f"| {r.backend} | {r.kv_tokens:,} | {r.hit_rate:.1%} | {r.prompt_tokens_computed:,} | "
                      f"{r.recomputed_tokens:,} | {r.steps:,} | {r.mean_running:.1f} | {r.peak_waiting:,} | "
-                     f"{r.preemptions:,} | {r.peak_unreachable_pages:,} |")
+                     f"{r.preemptions:,} | {r.peak_unreachable_pages:,} | {r.scheduler_ms:.3f} |")
     by_backend = {r.backend: r for r in replays}
     if {"dense", "duo"} <= by_backend.keys():
         dense, duo = by_backend["dense"], by_backend["duo"]
         lines.append(f"\nduo vs dense: hit rate {100 * (duo.hit_rate - dense.hit_rate):+.1f} points, prompt tokens "
                      f"computed {duo.prompt_tokens_computed / dense.prompt_tokens_computed:.2f}x, steps "
-                     f"{duo.steps / dense.steps:.2f}x")
+                     f"{duo.steps / dense.steps:.2f}x, scheduler host time a step "
+                     f"{duo.scheduler_ms / max(dense.scheduler_ms, 1e-9):.2f}x")
     return "\n".join(lines)
