@@ -89,6 +89,8 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
     lo = split * split_len
     hi = tl.minimum(length, lo + split_len)
     kv_head = tl.load(retrieval_kv_ptr + head)
+    # part_out [num_reqs, R * G, MAX_SPLITS, HEAD_DIM], part_lse [num_reqs, R * G, MAX_SPLITS]
+    row = (req * num_retrieval + head) * G
     if lo < hi:  # else a split past the list: with MERGE_IN_LAUNCH it only counts
         q, q_head, mask, qk_scale, v_scale, m_i, l_i, acc = start_decode(
             query_ptr, q_start, kv_head, k_scale_ptr, v_scale_ptr, qk_scale, stride_qt, stride_qh, G, BLOCK_G,
@@ -113,13 +115,11 @@ def _sparse_decode_kernel(query_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_
             tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=mask)
             return
-        # part_out [num_reqs, R * G, MAX_SPLITS, HEAD_DIM], part_lse [num_reqs, R * G, MAX_SPLITS]
-        store_part(part_out_ptr, part_lse_ptr, (req * num_retrieval + head) * G, split, out, m_i, l_i, G, BLOCK_G,
-                   HEAD_DIM, BLOCK_D, MAX_SPLITS)
+        store_part(part_out_ptr, part_lse_ptr, row, split, out, m_i, l_i, G, BLOCK_G, HEAD_DIM, BLOCK_D, MAX_SPLITS)
     if MERGE_IN_LAUNCH and MAX_SPLITS > 1:
-        merge_last(counter_ptr + req * num_retrieval + head, MAX_SPLITS, part_out_ptr, part_lse_ptr,
-                   (req * num_retrieval + head) * G, 0, tl.cdiv(length, split_len), out_ptr, q_start, kv_head,
-                   stride_ot, stride_oh, G, BLOCK_G, HEAD_DIM, BLOCK_D, MAX_SPLITS)
+        merge_last(counter_ptr + req * num_retrieval + head, MAX_SPLITS, part_out_ptr, part_lse_ptr, row, 0,
+                   tl.cdiv(length, split_len), out_ptr, q_start, kv_head, stride_ot, stride_oh, G, BLOCK_G, HEAD_DIM,
+                   BLOCK_D, MAX_SPLITS)
 
 
 @triton.jit(do_not_specialize=["num_retrieval", "sink", "recent", "max_selected"])
