@@ -25,13 +25,15 @@ launcher alone (what a launch cached per layer would cost), and the streaming he
 prompts' keys from the step's K/V), with every key from the page groups, and over several tile shapes. q, k and v are
 views of one fused qkv, as vLLM passes them.
 Decode batches (1k-64k, 4 and 32 at once) also time decode over shorter splits, each kind of head alone, the
-streaming heads in one program each as before they were split, and the layer with the split heads merged in the
-decode launch (decode.MERGE_IN_LAUNCH; served: by a second launch).
+streaming heads in one program each as before they were split, and the layer with every split head merged in the
+decode launch, then every one by a second launch (served: in the launch up to decode.MAX_PARTS_MERGED_IN_LAUNCH
+parts a head).
 
 long decode (`--long-decode`, issue 32): whole 32-layer decode steps at batch 4 x 64k and 4 x 128k over an fp8 cache
 and 4 x 64k over bf16, each one CUDA graph replay as served: duo (the reference pattern's retrieval heads per layer at
 sparsity 0.5) against dense's cache write + FA3 (32 splits, the step's schedule), then duo with FA3's split cap at
-4-64, each part alone, the split heads merged in the decode launch (served: by a second launch), the streaming
+4-64, each part alone, every split head merged in the decode launch and every one by a second launch (served: in
+the launch up to decode.MAX_PARTS_MERGED_IN_LAUNCH parts a head), the streaming
 heads after FA3 on one stream (served: beside it on a second stream), FA3 given a step schedule (bf16: FA3 on the
 retrieval heads instead of Triton, alone and beside the streaming heads), and the torch profiler's kernels of both
 steps.
@@ -509,6 +511,8 @@ MIXED_CASES = (("decode 4 x 1k (a CUDA graph when served)", [(1024, 1)] * 4),
                ("15 decode 16k + 384 after a 16k hit", [(16000, 1)] * 15 + [(16384, 384)]),
                ("31 decode 1k + 256 prefill", [(1024, 1)] * 31 + [(256, 256)]))
 SERVED_MAX_MODEL_LEN = 99000  # tpot_sweep's and short_itl's server
+# decode.MAX_PARTS_MERGED_IN_LAUNCH for the variants: every split head merged in the decode launch, or none
+MERGE_VARIANTS = {"every_split_merged_in_the_decode_launch": 1 << 20, "every_split_merged_by_a_second_launch": 0}
 DECODE_MIN_SPLITS = (64, 128, 256)  # kernels/decode.py's shortest split: MIN_SPLIT_TOKENS and shorter ones
 # Tile shapes tried for the streaming heads' prefill (kernels/prefill.py's _prefill_config: the first is its H100
 # choice for head_dim 128, 64/32/4/2 the one for launches that store the step's K/V too).
@@ -698,10 +702,11 @@ def bench_mixed(fa, rows, out_json):
             del variants
         else:  # decode: the launch lasts as long as its longest chain of tiles; which is it, and do shorter splits help
             res["duo_decode"] = bench_decode_splits(query, duo, qsl, sl, out, name, T, rows)
-            with patch.object(decode_module, "MERGE_IN_LAUNCH", True):
-                res["duo_merge_in_launch_device_ms"] = device_ms(duo_layer)
-            rows.append((f"mixed {T}", f"{name}: duo layer, split merge in the decode launch",
-                         res["duo_merge_in_launch_device_ms"], float("nan")))
+            for label, most_parts in MERGE_VARIANTS.items():
+                with patch.object(decode_module, "MAX_PARTS_MERGED_IN_LAUNCH", most_parts):
+                    res[f"duo_{label}_device_ms"] = device_ms(duo_layer)
+                rows.append((f"mixed {T}", f"{name}: duo layer, {label.replace('_', ' ')}",
+                             res[f"duo_{label}_device_ms"], float("nan")))
         res["duo_python"] = python_top(duo_layer)
         res["dense_python"] = python_top(dense_layer)
         for side in ("duo", "dense"):
@@ -1000,9 +1005,10 @@ def bench_long_decode(fa, rows, out_json):
 
         timed("write only", duo_parts(retrieval=None, streaming=False))
         timed("streaming only (Triton)", duo_parts(write=False, streaming=True))
-        with patch.object(decode_module, "MERGE_IN_LAUNCH", True):
-            timed("duo, split merge in the decode launch", duo_step, duo_bytes)
-            timed("streaming only (Triton), merge in the decode launch", duo_parts(write=False, streaming=True))
+        for label, most_parts in MERGE_VARIANTS.items():
+            with patch.object(decode_module, "MAX_PARTS_MERGED_IN_LAUNCH", most_parts):
+                timed(f"duo, {label.replace('_', ' ')}", duo_step, duo_bytes)
+                timed(f"streaming only (Triton), {label.replace('_', ' ')}", duo_parts(write=False, streaming=True))
         if fp8 and fa3 is not None:
             for cap in LONG_DECODE_FLASH_SPLITS:
                 with patch.object(gpu_attention, "FLASH_MAX_SPLITS", cap):

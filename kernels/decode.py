@@ -12,10 +12,10 @@ a streaming head's sinks or one chunk of its window (at most STREAM_WINDOW_SPLIT
     retrieval head:  split 0 [0, 256)  split 1 [256, 512)  split 2 [512, 768)  split 3 [768, 1000)
     streaming head:  split 0 the sinks [0, 64)  splits 1-4 the window [744, 808) [808, 872) [872, 936) [936, 1000)
 
-A head split more than once is merged by its split results' log-sum-exp: by a second kernel, or (MERGE_IN_LAUNCH)
-in the same launch, where the last of the head's programs to finish (a counter per head, which that program sets
-back to zero) combines them. No host syncs, fixed grid shapes and counters that end every launch at zero:
-CUDA-graph capturable.
+A head split more than once is merged by its split results' log-sum-exp: where its launch splits heads into few
+parts (MAX_PARTS_MERGED_IN_LAUNCH) in the same launch, where the last of the head's programs to finish (a counter
+per head, which that program sets back to zero) combines them, else by a second kernel. No host syncs, fixed grid shapes and
+counters that end every launch at zero: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -283,7 +283,8 @@ def _merge_kernel(out_ptr, part_out_ptr, part_lse_ptr, retrieval_kv_ptr, streami
                   MAX_SPLITS: tl.constexpr, NUM_PARTS: tl.constexpr, MIN_SPLIT: tl.constexpr,
                   WINDOW_SPLIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (num_reqs, split query heads, from KV head `first_head` on, retrieval before streaming as in part_out):
-    combine one query head's split results by their log-sum-exp, after `_decode_kernel` (without MERGE_IN_LAUNCH)."""
+    combine one query head's split results by their log-sum-exp, after a `_decode_kernel` launch whose splits are too
+    deep to merge in it (MAX_PARTS_MERGED_IN_LAUNCH)."""
     req = tl.program_id(0)
     h = tl.program_id(1) + first_head * G
     q_start = tl.load(query_start_loc_ptr + req)
@@ -342,10 +343,15 @@ def decode_tiles(head_dim: int, device: torch.device, fp8: bool = False) -> Deco
 # slower: benchmarks/results/2026-12-07-h100-decode-variants), still behind FlashAttention-3's 3.79 (7.08), which
 # decodes them on Hopper (gpu_attention.py)
 FP8_DECODE_TILES = DecodeTiles(64, MIN_SPLIT_TOKENS, 5, 4)
-# A split head's parts merged by the last of its programs in the decode launch (`merge_last`) instead of by a second
-# launch (`_merge_kernel`): a launch a layer fewer in every decode step. CPU-tested and compiled for sm_90, not yet run
-# on a GPU: off until the GPU tests pass with it and kernels_bench.py (--long-decode, --mixed) shows it faster
-MERGE_IN_LAUNCH = False
+# A launch whose split heads have at most this many parts each merges them itself (the last of a head's programs,
+# `merge_last`): at many requests decode_num_splits makes few splits, and the launch saved is worth more than the last
+# program's merge, which overlaps other programs' work. At a few requests it makes up to 64 splits a head, and one
+# program merging them in turn would be the launch's tail: a second launch merges them (`_merge_kernel`, one program
+# a query head, its parts at once). One Llama-3.1-8B layer's decode in a CUDA graph on the H100, max_model_len 99,000,
+# in the launch against by a second (device ms, benchmarks/results/2026-12-07-h100-merge-in-launch): 256 x 1k (5
+# parts) 0.310 against 0.373, 32 x 1k (16) 0.052 against 0.058, 32 x 4k (16) 0.122 against 0.127; 4 x 1k (64) level,
+# 4 x 4k (64) 0.026 against 0.023, 4 x 64k (64) 0.209 against 0.194 (a 32-layer bf16 step: 6.91 against 6.37 ms)
+MAX_PARTS_MERGED_IN_LAUNCH = 16
 
 
 def decode_num_splits(num_reqs: int, num_retrieval: int, max_seq_len: int, device: torch.device) -> int:
@@ -408,6 +414,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
     if merged:
         part_out = torch.empty(num_reqs, (R + S) * G, num_parts, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, (R + S) * G, num_parts, dtype=torch.float32, device=cache.device)
+    in_launch = (stream_splits if streaming_only else num_parts) <= MAX_PARTS_MERGED_IN_LAUNCH
     counters = merge_counters(num_reqs * (R + S), cache.device)  # unread when nothing is split
     launch(_decode_kernel, (num_reqs, R * max_num_splits + S * stream_splits - first_program))(
         query, cache, stream_cache, output, part_out, part_lse, counters, heads.retrieval_kv, heads.streaming_kv,
@@ -418,8 +425,8 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         G=G, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=cache.shape[2], MAX_SPLITS=max_num_splits, STREAM_SPLITS=stream_splits, NUM_PARTS=num_parts,
         MIN_SPLIT=min_split, WINDOW_SPLIT=window_split, FP8=fp8_format(cache), FP16=fp8_in_fp16(cache, query),
-        MERGE_IN_LAUNCH=MERGE_IN_LAUNCH, num_warps=tiles.warps, num_stages=tiles.stages)
-    if merged and not MERGE_IN_LAUNCH:
+        MERGE_IN_LAUNCH=in_launch, num_warps=tiles.warps, num_stages=tiles.stages)
+    if merged and not in_launch:
         launch(_merge_kernel, (num_reqs, len(merged) * G))(
             output, part_out, part_lse, heads.retrieval_kv, heads.streaming_kv, query_start_loc, seq_lens, R, S,
             heads.sink, heads.recent, merged.start, output.stride(0), output.stride(1),

@@ -11,8 +11,8 @@ from the list's length, at least MIN_SPLIT), so that a few requests with long li
     position    0 .. 63  | selected[0 .. 4]     | 744 .. 999
     split 0 [0, 128)  split 1 [128, 256)  split 2 [256, 325)
 
-Each head's split results are merged by their log-sum-exp as decode.py's are: by a second kernel (`merge_parts`),
-or with decode.MERGE_IN_LAUNCH by the last of its programs (`merge_last`).
+Each head's split results are merged by their log-sum-exp as decode.py's are: by the last of its programs
+(`merge_last`) where the splits are few (decode.MAX_PARTS_MERGED_IN_LAUNCH), else by a second kernel (`merge_parts`).
 No host syncs and fixed grid shapes: CUDA-graph capturable. The selection itself is selection.py's.
 """
 
@@ -203,7 +203,7 @@ def sparse_decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: Lay
     if max_num_splits > 1:
         part_out = torch.empty(num_reqs, R * G, max_num_splits, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, R * G, max_num_splits, dtype=torch.float32, device=cache.device)
-    in_launch = decode.MERGE_IN_LAUNCH
+    in_launch = max_num_splits <= decode.MAX_PARTS_MERGED_IN_LAUNCH
     launch(_sparse_decode_kernel, (num_reqs, R * max_num_splits))(
         query, cache, output, part_out, part_lse, merge_counters(num_reqs * R, cache.device), heads.retrieval_kv,
         query_start_loc, seq_lens, block_table, selected, num_selected,

@@ -132,7 +132,7 @@ def cases():
                              WINDOW_SPLIT=min_split, FP16=fp16, MERGE_IN_LAUNCH=True)
             yield (f"decode {tag} splits {max_splits}/{stream_splits}", _decode_kernel, model, cache, constants,
                    dict(num_warps=tiles.warps, num_stages=tiles.stages))
-            if parts > 1 and "merge" in variants:  # the merge launch where MERGE_IN_LAUNCH is off
+            if parts > 1 and "merge" in variants:  # the merge launch of splits too deep for the decode launch
                 constants = dict(G=G, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
                                  MAX_SPLITS=max_splits, NUM_PARTS=parts, MIN_SPLIT=min_split, WINDOW_SPLIT=min_split,
                                  BLOCK_S=triton.next_power_of_2(parts))

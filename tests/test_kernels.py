@@ -366,7 +366,7 @@ def test_decode_kernel_streaming_only(name):
 def test_decode_kernel(name, splits, merge_in_launch, monkeypatch):
     """Decode writes exactly the rows of single-token requests, with or without the split merge (in the decode
     launch, or by a second launch)."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     case = make_case(PRESETS[name])
     rows = decode_rows(case)
     if rows.numel() == 0:
@@ -384,6 +384,11 @@ def test_decode_kernel(name, splits, merge_in_launch, monkeypatch):
     assert_merge_counters_at_zero()
 
 
+def merge_splits_in_launch(monkeypatch, in_launch: bool):
+    """Every split head merged in the decode launch (`merge_last`), or every one by the merge launch."""
+    monkeypatch.setattr(decode, "MAX_PARTS_MERGED_IN_LAUNCH", 1 << 20 if in_launch else 0)
+
+
 def assert_merge_counters_at_zero():
     """Every split head's last program set its merge counter back to zero: the next launch (a CUDA graph's replay
     among them) starts from zero."""
@@ -397,7 +402,7 @@ def test_decode_window_in_chunks(sink, merge_in_launch, monkeypatch):
     """A long window splits into several chunks (split length = min_split here): chunks that end mid-tile, windows
     shorter than the sinks plus recent, contexts within the sinks, all merged to the reference; without sinks the
     empty sink split only counts toward its head's merge."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     p = Preset(8, 4, (2,), tuple((n, 1) for n in (200, 60, 40, 7, 3, 0, 91)), sink=sink, recent=40)
     case = make_case(p)
     ref, _ = case.reference()
@@ -405,6 +410,27 @@ def test_decode_window_in_chunks(sink, merge_in_launch, monkeypatch):
     decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out, 4,
                      min_split=16)  # 1 sink split + 3 window chunks per streaming head
     assert_close(out, ref, torch.float32)
+    assert_merge_counters_at_zero()
+
+
+@pytest.mark.parametrize("splits, streaming_only, merge_launch", [
+    (16, False, False), (32, False, True),  # at most MAX_PARTS_MERGED_IN_LAUNCH (16) parts a head: in the launch
+    (32, True, False),  # beside FlashAttention only the streaming heads' 4 parts (sinks, 3 window chunks) merge
+    (1, False, False)])  # nothing split, nothing to merge
+def test_the_merge_launch_takes_deep_splits_only(splits, streaming_only, merge_launch, monkeypatch):
+    """The split merge runs in the decode launch unless its heads have more than MAX_PARTS_MERGED_IN_LAUNCH parts,
+    and either way gives the reference's output."""
+    monkeypatch.setattr(decode, "MAX_PARTS_MERGED_IN_LAUNCH", 16)
+    launched, served_launch = [], decode.launch
+    monkeypatch.setattr(decode, "launch", lambda kernel, grid: launched.append(kernel) or served_launch(kernel, grid))
+    case = make_case(Preset(8, 4, (2,), ((300, 1), (40, 1)), sink=8, recent=40))
+    ref, _ = case.reference()
+    (cache, _), out = written_caches(case), case.poisoned_output()
+    decode_attention(case.query, cache, case.heads, case.qsl, case.sl, case.block_table, case.scale, out, splits,
+                     streaming_only=streaming_only, min_split=16)
+    heads = case.heads.streaming_q if streaming_only else torch.arange(out.shape[1])
+    assert_close(out[:, heads], ref[:, heads], torch.float32)
+    assert launched == [decode._decode_kernel] + [decode._merge_kernel] * merge_launch
     assert_merge_counters_at_zero()
 
 
@@ -747,8 +773,8 @@ CUDA = torch.device("cuda")
 @pytest.mark.parametrize("name", list(GPU_PRESETS) + list(PRESETS))
 def test_duo_attention_triton_cuda(name, dtype, merge_in_launch, monkeypatch):
     """The served kernels on the GPU against the reference; decode splits each head over many programs there, whose
-    merge runs as a second launch or in the decode launch (`decode.MERGE_IN_LAUNCH`)."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge runs as a second launch or in the decode launch (`decode.MAX_PARTS_MERGED_IN_LAUNCH`)."""
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     case = make_case({**PRESETS, **GPU_PRESETS}[name], dtype=dtype, device=CUDA)
     ref, ref_caches = case.reference()
     cache, stream = case.fresh_caches()
@@ -824,7 +850,7 @@ def test_decode_cuda_graph(kv_dtype, by_triton, merge_in_launch, monkeypatch):
     """A decode step captured once replays correctly on new inputs written into the same buffers, and on new
     scales (vLLM's --calculate-kv-scales sets them after capture); with the split merge in the decode launch, each
     replay leaves its counters at zero for the next."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     if by_triton:
         monkeypatch.setattr(gpu_attention, "FLASH_DTYPES", {(torch.bfloat16, torch.bfloat16)})
     quant = cuda_scales() if kv_dtype != torch.bfloat16 else None

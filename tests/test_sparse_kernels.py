@@ -10,9 +10,8 @@ import pytest
 import torch
 from test_kernels import (CUDA, FP8, GPU_PRESETS, PRESETS, SCALES, TOL, Case, Preset, assert_caches_equal,
                           assert_close, assert_only, cuda_scales, decode_rows, lifted, lifted_table, make_case,
-                          written_caches)
+                          merge_splits_in_launch, written_caches)
 
-from vllm_duo.kernels import decode
 from vllm_duo.kernels import sparse_reference as ref
 from vllm_duo.kernels.clustering import KeyClusters, cluster_radii
 from vllm_duo.kernels.decode import decode_attention
@@ -110,7 +109,7 @@ def assert_retrieval_rows(out: torch.Tensor, expected: torch.Tensor, case: Case,
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", DECODE)
 def test_sparse_decode_matches_reference(name, splits, merge_in_launch, monkeypatch):
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     case = make_case(PRESETS[name])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
@@ -135,7 +134,7 @@ def test_full_selection_equals_duo_decode(name):
 def test_context_ends_set_the_window(splits, merge_in_launch, monkeypatch):
     """A request's window starts at its context's end: the tokens after a squeezed context are read however many
     there are, and selected positions from there on count once (as window)."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     case = make_case(PRESETS["decode_gqa3"])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
@@ -149,7 +148,7 @@ def test_context_ends_set_the_window(splits, merge_in_launch, monkeypatch):
 @pytest.mark.parametrize("merge_in_launch", [False, True])
 def test_context_end_0_leaves_the_request_to_duo(merge_in_launch, monkeypatch):
     """A request without a clustered context (context end 0) is not written: duo's own decode serves it."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     case = make_case(PRESETS["decode_gqa3"])
     cache, _ = written_caches(case)
     selected, counts = random_selection(case)
@@ -187,7 +186,7 @@ def test_split_of_skipped_positions_only(sink, merge_in_launch, monkeypatch):
     """A split whose listed positions all lie in the sinks, the window or past the context adds nothing to the merge
     (here 4 sinks or none, 60 skipped positions, 16 window positions in splits of 32: split 1 of 4 is skipped
     positions only, or without sinks split 0, the first part a merge reads)."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     case = make_case(dataclasses.replace(PRESETS["decode_mha"], sink=sink))
     cache, _ = written_caches(case)
     skipped = torch.cat([torch.arange(sink), torch.arange(45, 105 - sink)])  # request 0: seq_len 61, window [45, 61)
@@ -473,7 +472,7 @@ def test_pages_selecting_everything_equal_duo_decode():
 def test_page_selection_and_sparse_decode_in_a_cuda_graph(kv_dtype, merge_in_launch, monkeypatch):
     """A bf16 model on CUDA: page bounds, page selection and sparse decode captured once, replayed on new queries,
     each to its reference (the selection from the replay's own scores: TF32 bounds may reorder near ties)."""
-    monkeypatch.setattr(decode, "MERGE_IN_LAUNCH", merge_in_launch)
+    merge_splits_in_launch(monkeypatch, merge_in_launch)
     quant = cuda_scales() if kv_dtype in FP8 else None
     case = make_case(GPU_PRESETS["llama_decode"], dtype=torch.bfloat16, device=CUDA, kv_dtype=kv_dtype, quant=quant)
     cache, _ = written_caches(case, quant)
