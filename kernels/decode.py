@@ -14,8 +14,8 @@ a streaming head's sinks or one chunk of its window (at most STREAM_WINDOW_SPLIT
 
 A head split more than once is merged by its split results' log-sum-exp: where its launch splits heads into few
 parts (MAX_PARTS_MERGED_IN_LAUNCH) in the same launch, where the last of the head's programs to finish (a counter
-per head, which that program sets back to zero) combines them, else by a second kernel. No host syncs, fixed grid shapes and
-counters that end every launch at zero: CUDA-graph capturable.
+per head, which that program sets back to zero) combines them, else by a second kernel. No host syncs, fixed grid
+shapes and counters that end every launch at zero: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -415,7 +415,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, heads: LayerHeads
         part_out = torch.empty(num_reqs, (R + S) * G, num_parts, head_dim, dtype=torch.float32, device=cache.device)
         part_lse = torch.empty(num_reqs, (R + S) * G, num_parts, dtype=torch.float32, device=cache.device)
     in_launch = (stream_splits if streaming_only else num_parts) <= MAX_PARTS_MERGED_IN_LAUNCH
-    counters = merge_counters(num_reqs * (R + S), cache.device)  # unread when nothing is split
+    counters = merge_counters(num_reqs * (R + S), cache.device)  # read only where this launch merges
     launch(_decode_kernel, (num_reqs, R * max_num_splits + S * stream_splits - first_program))(
         query, cache, stream_cache, output, part_out, part_lse, counters, heads.retrieval_kv, heads.streaming_kv,
         query_start_loc, seq_lens, block_table, *scale_tensors(quant, cache), scale * LOG2E,
