@@ -3,7 +3,8 @@
 
 One in-process vLLM engine per run (`--backend dense` or `duo`), CUDA graphs and prefix caching on, as served:
 
-  decode: B requests of C context tokens decoding together; the timed steps are decode-only (full CUDA graphs).
+  decode: B requests of C context tokens decoding together; the timed steps are decode-only (full CUDA graphs);
+          `decode_served`: 32 more stepped as served, wall time a step (what a server's inter-token latency is).
   mixed:  the chat_turns case. The B documents are cached; B - 1 requests decode and one more arrives that hits
           its document's C tokens and prefills N new ones. The timed step is the one that holds that prefill
           (piecewise graphs, attention eager), against the decode-only step after it; the profile covers both.
@@ -120,6 +121,19 @@ class Steps:
         self.engine.step()
         if kind:
             self.times.setdefault(kind, []).append((time.perf_counter() - start) * 1e3)
+
+    def unsynced_ms(self, count: int) -> float:
+        """Wall time per step of `count` steps stepped as served (no sync between them: asynchronous scheduling
+        overlaps a step's host work with the GPU's previous step), once the GPU has finished them."""
+        import torch
+
+        synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(count):
+            self.engine.step()
+        synchronize()
+        return (time.perf_counter() - start) * 1e3 / count
 
     def drain(self) -> None:
         while self.engine.has_unfinished_requests():
@@ -263,6 +277,7 @@ def main(argv=None) -> dict:
         steps.step()
     for _ in range(16):
         steps.step("decode")
+    decode_served_ms = steps.unsynced_ms(32)
     result = {"decode": profile(lambda: [steps.step() for _ in range(args.steps)], args.steps)}
     result["decode"]["python"] = python_profile(lambda: [steps.step() for _ in range(args.steps)], args.steps)
     steps.engine.abort_request([f"dec{i}" for i in range(args.batch)])
@@ -309,6 +324,7 @@ def main(argv=None) -> dict:
         result["burst_ms"] = sum(steps.times["burst"])
 
     result["step_ms"] = {kind: statistics.median(times) for kind, times in steps.times.items()}
+    result["step_ms"]["decode_served"] = decode_served_ms
     result["settings"] = {k: v for k, v in vars(args).items() if k != "out"}
     label = args.backend if args.squeeze is None else f"{args.backend} squeeze {args.squeeze:g}"
     print(f"== {label}: median step ms {json.dumps({k: round(v, 2) for k, v in result['step_ms'].items()})}")
