@@ -148,6 +148,9 @@ for stage in "$@"; do
         --kv-cache-dtype ${KV:-auto fp8} --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_latency_prefill) bench fp8 --workloads tpot_64k prefill_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY} ;;
     fp8_decode) bench fp8 --workloads decode_heavy --kv-cache-dtype fp8 --only ${ONLY:?set ONLY=dense or duo} ;;
+    # bf16 decode at many requests, where the Triton decode merges split heads in its launch (decode.py): ONLY=dense
+    # then ONLY=duo on one warm machine, ~4-5 min each
+    many_decode) bench many-decode --workloads short decode_heavy --only ${ONLY:?set ONLY=dense or duo} ;;
     fp8_serve) bench fp8 --workloads serve_16k --set serve_16k.request_rates=${RATE:-2} --kv-cache-dtype fp8 \
         --only ${ONLY:?set ONLY=dense or duo} ;;
     # issue 32: decode at batch 4 over 64k and 127k contexts, one server per backend (KV=fp8|auto, ONLY=dense|duo);
